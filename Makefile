@@ -1,0 +1,29 @@
+# Two commands do all setup on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned, so nothing can pull a CUDA build as a dependency.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/gapless serve $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests scripts
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/ruff format --check src tests scripts
+
+clean:
+	rm -rf $(VENV)

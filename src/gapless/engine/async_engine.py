@@ -1,0 +1,93 @@
+"""One engine thread stepping the engine; per-request asyncio streams for the server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from gapless.engine.engine import Engine
+from gapless.engine.events import Event, FinishedEvent
+from gapless.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("gapless.engine")
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="gapless-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ends the engine thread after its current step."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+
+    async def stream(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> AsyncIterator[Event]:
+        """Adds a request and yields its events until FinishedEvent.
+
+        Raises RequestError / QueueFull before anything is yielded. If the consumer stops
+        early (a client disconnect), the request is cancelled.
+        """
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        request_id = request_id or uuid.uuid4().hex
+        # Registered before the engine can see the request, so no event is missed.
+        self._streams[request_id] = (loop, queue)
+        try:
+            self.engine.add_request(prompt, params, request_id)
+        except Exception:
+            del self._streams[request_id]
+            raise
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                event = await queue.get()
+                yield event
+                if isinstance(event, FinishedEvent):
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.engine.cancel(request_id)
+                self._wake.set()
+
+    def cancel(self, request_id: str) -> bool:
+        cancelled = self.engine.cancel(request_id)
+        self._wake.set()
+        return cancelled
+
+    def _run(self) -> None:
+        while not self._stopping:
+            if not self.engine.has_work:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                events = self.engine.step()
+            except Exception:  # keep serving: the engine fails requests, not itself
+                log.exception("engine step failed")
+                continue
+            for event in events:
+                target = self._streams.get(event.request_id)
+                if target is None:
+                    continue
+                loop, queue = target
+                if isinstance(event, FinishedEvent):
+                    del self._streams[event.request_id]
+                loop.call_soon_threadsafe(queue.put_nowait, event)

@@ -1,0 +1,380 @@
+"""The step loop: schedule, run one hybrid forward, sample, emit events."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent
+from gapless.engine.metrics import EngineMetrics
+from gapless.engine.request import Request, RequestState
+from gapless.engine.runner import ModelRunner
+from gapless.engine.sampler import sample, top_logprobs
+from gapless.engine.sampling_params import SamplingParams
+from gapless.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from gapless.engine.stopping import StopStringFilter
+from gapless.kv.block_pool import BlockPool
+from gapless.model.decoder import Decoder
+from gapless.model.loader import load_decoder
+from gapless.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("gapless.engine")
+
+
+class RequestError(ValueError):
+    """A request that can never run; `param` names the offending field."""
+
+    def __init__(
+        self, message: str, param: str | None = None, code: str = "invalid_request"
+    ) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineConfig:
+    dtype: str = "auto"
+    device: str = "auto"  # cuda when available, else cpu
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # KV capacity in tokens; overrides kv_memory_gib
+    kv_memory_gib: float = 2.0
+    max_num_seqs: int = 64
+    prefill_chunk: int = 512
+    idle_prefill_chunk: int = 4096
+    chunked_prefill: bool = True
+    prefill_policy: str = "shortest"
+    enable_prefix_cache: bool = True
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    target_itl_ms: float | None = None
+    max_queue: int | None = None  # waiting requests beyond this are refused
+    num_threads: int | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        decoder: Decoder,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        runner: ModelRunner | None = None,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        mcfg = decoder.config
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        if runner is None:
+            bs = config.block_size
+            if config.kv_cache_tokens is not None:
+                num_blocks = -(-config.kv_cache_tokens // bs)
+            else:
+                per_block = ModelRunner.kv_bytes_per_token(decoder) * bs
+                num_blocks = int(config.kv_memory_gib * 2**30) // per_block
+                # No point holding more than every running sequence at full context.
+                num_blocks = min(num_blocks, config.max_num_seqs * (-(-self.max_model_len // bs)))
+            runner = ModelRunner(decoder, num_blocks, bs)
+            self.pool = BlockPool(num_blocks, bs)
+        else:
+            self.pool = BlockPool(
+                len(runner.kv_cache[0][0]) // runner.block_size, runner.block_size
+            )
+        self.runner = runner
+        self.whole_prefill = not config.chunked_prefill or not runner.supports_chunked_prefill
+        if config.chunked_prefill and not runner.supports_chunked_prefill:
+            log.warning("this model runner cannot prefill in chunks: prefilling every prompt whole")
+        budget = None
+        if config.target_itl_ms is not None:
+            from gapless.engine.cost_model import StepCostModel
+
+            self.cost_model = StepCostModel(config.target_itl_ms / 1000, config.prefill_chunk)
+            budget = self.cost_model.prefill_budget
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                prefill_chunk=config.prefill_chunk,
+                idle_prefill_chunk=config.idle_prefill_chunk,
+                prefill_policy=config.prefill_policy,
+                enable_prefix_cache=config.enable_prefix_cache,
+                window=mcfg.max_window,
+            ),
+            self.pool,
+            budget,
+        )
+        self.eos_ids = set(tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
+        self.metrics = EngineMetrics()
+        self.num_steps = 0
+        self._requests: dict[str, Request] = {}
+        self._incoming: deque[Request] = deque()
+        self._cancels: deque[str] = deque()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
+        config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        device = config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        decoder = load_decoder(path, config.dtype, device)
+        return cls(decoder, Tokenizer.from_pretrained(path), config)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        progress_callback: Callable[[ProgressEvent], None] | None = None,
+        whole_prefill: bool = False,
+    ) -> str:
+        """Queues a request (thread-safe); it starts at the next step. Returns its id."""
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(ids)
+        request_id = request_id or uuid.uuid4().hex
+        request = Request(
+            request_id, ids, params, progress_callback, whole_prefill or self.whole_prefill
+        )
+        if params.seed is not None:
+            request.generator = torch.Generator(self.decoder.device).manual_seed(params.seed)
+        request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        if params.stop:
+            request.stop_filter = StopStringFilter(params.stop, params.include_stop_str_in_output)
+        with self._lock:
+            if request_id in self._requests:
+                raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+            limit = self.config.max_queue
+            if limit is not None and len(self.scheduler.waiting) + len(self._incoming) >= limit:
+                raise QueueFull(f"the queue is full ({limit} waiting requests)")
+            self._requests[request_id] = request
+            self._incoming.append(request)
+        return request_id
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> str:
+        """Pre-chunking behaviour: the whole prompt prefills in one step, then decodes."""
+        return self.add_request(prompt, params, whole_prefill=True, **kw)
+
+    def cancel(self, request_id: str) -> bool:
+        """Thread-safe; takes effect at the next step boundary. False if no such live request."""
+        with self._lock:
+            if request_id not in self._requests:
+                return False
+            self._cancels.append(request_id)
+            return True
+
+    def _validate(self, ids: list[int]) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty", "prompt")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens, but this model's context is "
+                f"{self.max_model_len} tokens (prompt plus output)",
+                "prompt",
+                "context_length_exceeded",
+            )
+        vocab = self.decoder.config.vocab_size
+        if not all(0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        capacity = self.pool.num_blocks * self.pool.block_size
+        if self.decoder.config.max_window is None and len(ids) + 1 > capacity:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens, but the KV cache holds {capacity}",
+                "prompt",
+                "context_length_exceeded",
+            )
+
+    @property
+    def has_work(self) -> bool:
+        return bool(
+            self._incoming or self._cancels or self.scheduler.waiting or self.scheduler.running
+        )
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        events: list[Event] = []
+        self._take_incoming(events)
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return events
+        started = time.perf_counter()
+        prompt_phase = [c.request.num_computed < len(c.request.prompt_ids) for c in chunks]
+        all_logits = {
+            i
+            for i, c in enumerate(chunks)
+            if prompt_phase[i] and c.request.params.prompt_logprobs is not None
+        }
+        try:
+            logits = self.runner.execute(chunks, all_logits)
+        except Exception as exc:  # a failed forward fails its requests, not the engine
+            log.exception("forward pass failed")
+            for chunk in chunks:
+                self._finish(events, chunk.request, "error", f"{type(exc).__name__}: {exc}")
+            return events
+        to_sample: list[tuple[Request, torch.Tensor]] = []
+        for chunk, rows, in_prompt in zip(chunks, logits, prompt_phase, strict=True):
+            req = chunk.request
+            if in_prompt and req.params.prompt_logprobs is not None:
+                self._record_prompt_logprobs(req, req.num_computed, rows)
+            req.num_computed += chunk.num_tokens
+            self.scheduler.register_computed_blocks(req)
+            if in_prompt and req.first_token_time is None:
+                processed = min(req.num_computed, len(req.prompt_ids))
+                self._emit(
+                    events, req, ProgressEvent(req.request_id, processed, len(req.prompt_ids))
+                )
+            if req.num_computed == req.num_tokens:
+                if req.params.max_tokens == 0:
+                    self._finish(events, req, "length")
+                else:
+                    to_sample.append((req, rows[-1]))
+        if to_sample:
+            reqs = [r for r, _ in to_sample]
+            for req, (token, info) in zip(
+                reqs, sample(reqs, torch.stack([x for _, x in to_sample])), strict=True
+            ):
+                self._append_token(events, req, token, info)
+        self.num_steps += 1
+        self.last_step = (chunks, time.perf_counter() - started)
+        self.metrics.step_time.observe(self.last_step[1])
+        return events
+
+    def _take_incoming(self, events: list[Event]) -> None:
+        with self._lock:
+            while self._incoming:
+                self.scheduler.add(self._incoming.popleft())
+            cancels = list(self._cancels)
+            self._cancels.clear()
+        for request_id in cancels:
+            req = self._requests.get(request_id)
+            if req is not None:
+                self._finish(events, req, "cancelled")
+
+    def _record_prompt_logprobs(self, req: Request, start: int, rows: torch.Tensor) -> None:
+        if not req.prompt_logprobs:
+            req.prompt_logprobs.append(None)  # the first token has no context
+        logprobs = rows.log_softmax(-1)
+        k = req.params.prompt_logprobs or 0
+        for offset in range(len(rows)):
+            target = start + offset + 1
+            if target >= len(req.prompt_ids) or target < len(req.prompt_logprobs):
+                continue
+            req.prompt_logprobs.append(top_logprobs(logprobs[offset], req.prompt_ids[target], k))
+
+    def _append_token(self, events: list[Event], req: Request, token: int, info) -> None:
+        now = time.monotonic()
+        p = req.params
+        req.output_ids.append(token)
+        req.state = RequestState.DECODING
+        if info is not None:
+            req.output_logprobs.append(info)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.metrics.time_to_first_token.observe(now - req.arrival_time)
+        else:
+            self.metrics.inter_token_latency.observe(now - req.last_token_time)
+        req.last_token_time = now
+        self.metrics.generation_tokens += 1
+
+        finish = None
+        past_min = len(req.output_ids) >= p.min_tokens
+        if past_min and (token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)):
+            text, finish = "", "stop"
+        else:
+            text = req.detokenizer.add([token])
+            if req.stop_filter is not None:
+                text = req.stop_filter.feed(text)
+                if req.stop_filter.stopped:
+                    finish = "stop"
+        if finish is None and (
+            len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len
+        ):
+            finish = "length"
+        req.text += text
+        self._emit(events, req, TokenEvent(req.request_id, [token], text, [info] if info else None))
+        if finish is not None:
+            self._finish(events, req, finish)
+
+    def _finish(
+        self, events: list[Event], req: Request, reason: str, error: str | None = None
+    ) -> None:
+        tail = ""
+        if reason == "length":
+            tail = req.detokenizer.flush()
+            if req.stop_filter is not None:
+                tail = req.stop_filter.feed(tail) + req.stop_filter.flush()
+        req.text += tail
+        self.scheduler.remove(req)
+        req.state = RequestState.FINISHED
+        req.finish_time = time.monotonic()
+        with self._lock:
+            self._requests.pop(req.request_id, None)
+            if req in self._incoming:
+                self._incoming.remove(req)
+        self.metrics.requests_finished[reason] = self.metrics.requests_finished.get(reason, 0) + 1
+        self._emit(
+            events,
+            req,
+            FinishedEvent(
+                req.request_id,
+                reason,
+                prompt_tokens=len(req.prompt_ids),
+                completion_tokens=len(req.output_ids),
+                text=tail,
+                cached_prompt_tokens=req.cached_prompt_tokens,
+                prompt_logprobs=req.prompt_logprobs
+                if req.params.prompt_logprobs is not None
+                else None,
+                error=error,
+                preempted=req.preemptions,
+                timings=self._timings(req),
+            ),
+        )
+
+    @staticmethod
+    def _timings(req: Request) -> dict[str, float]:
+        marks = {
+            "first_scheduled": req.first_scheduled_time,
+            "first_token": req.first_token_time,
+            "finished": req.finish_time,
+        }
+        return {k: v - req.arrival_time for k, v in marks.items() if v is not None}
+
+    def _emit(self, events: list[Event], req: Request, event: Event) -> None:
+        if isinstance(event, ProgressEvent) and req.progress_callback is not None:
+            req.progress_callback(event)
+        events.append(event)
+
+    # -- observability ------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        running = self.scheduler.running
+        return {
+            "requests_running": len(running),
+            "requests_waiting": len(self.scheduler.waiting) + len(self._incoming),
+            "requests_prefilling": sum(r.state is RequestState.PREFILLING for r in running),
+            "kv_blocks_used": self.pool.num_used,
+            "kv_blocks_cached": self.pool.num_cached,
+            "kv_blocks_free": self.pool.num_free,
+            "kv_blocks_total": self.pool.num_blocks,
+            "prefix_cache_hit_tokens_total": self.scheduler.prefix_hit_tokens,
+            "prefix_cache_queried_tokens_total": self.scheduler.prefix_queried_tokens,
+        }
+
+
+__all__ = ["Engine", "EngineConfig", "RequestError", "QueueFull", "ScheduledChunk"]

@@ -1,0 +1,46 @@
+"""What the engine emits each step, in order, per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One sampled token's logprob and its top alternatives: (token_id, logprob, [(alt_id, alt_logprob), ...])
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+
+
+@dataclass
+class ProgressEvent:
+    """Prefill progress after a chunk: `processed` counts prefix-cache hits too."""
+
+    request_id: str
+    processed: int
+    total: int
+
+
+@dataclass
+class TokenEvent:
+    """New output tokens and the text they completed (stop-string look-ahead may hold text back)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class FinishedEvent:
+    """The last event of a request. finish_reason: stop, length, cancelled or error."""
+
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    text: str = ""  # text flushed at the end (held-back stop-string look-ahead)
+    cached_prompt_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None
+    preempted: int = 0  # times the request was preempted and recomputed
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+Event = ProgressEvent | TokenEvent | FinishedEvent

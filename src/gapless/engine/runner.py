@@ -1,0 +1,135 @@
+"""Turns a step's scheduled chunks into one ragged batch and runs the model on it."""
+
+from __future__ import annotations
+
+import torch
+
+from gapless.engine.scheduler import ScheduledChunk
+from gapless.model.decoder import AttentionGroup, BatchInput, Decoder
+
+
+class ModelRunner:
+    # A runner that cannot prefill in chunks sets this False; the engine then prefills every
+    # prompt whole.
+    supports_chunked_prefill = True
+
+    def __init__(self, decoder: Decoder, num_blocks: int, block_size: int) -> None:
+        cfg = decoder.config
+        self.decoder = decoder
+        self.block_size = block_size
+        self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)
+        self.max_window = cfg.max_window
+        slots = num_blocks * block_size
+        shape = (slots, cfg.num_kv_heads, cfg.head_dim)
+        # Zeroed, not empty: padded attention reads masked slots, and 0 * NaN would poison it.
+        self.kv_cache = [
+            (
+                torch.zeros(shape, dtype=decoder.dtype, device=decoder.device),
+                torch.zeros(shape, dtype=decoder.dtype, device=decoder.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+
+    @staticmethod
+    def kv_bytes_per_token(decoder: Decoder) -> int:
+        cfg = decoder.config
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * decoder.embed.element_size()
+
+    def execute(self, chunks: list[ScheduledChunk], all_logits: set[int]) -> list[torch.Tensor]:
+        """Runs the chunks in one forward pass.
+
+        Returns for each chunk the logits of its last token, or of every token when its index
+        is in all_logits (prompt logprobs).
+        """
+        batch, row_counts = self._build(chunks, all_logits)
+        logits = self.decoder.forward(batch, self.kv_cache)
+        return list(logits.split(row_counts))
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _key_start(self, end_of_first_query: int) -> int:
+        """First key position any layer's window lets the chunk's first query see."""
+        if self.max_window is None:
+            return 0
+        return max(0, end_of_first_query - self.max_window)
+
+    def _build(
+        self, chunks: list[ScheduledChunk], all_logits: set[int]
+    ) -> tuple[BatchInput, list[int]]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        write_slots: list[int] = []
+        logit_rows: list[int] = []
+        row_counts: list[int] = []
+        decode_rows: list[int] = []
+        decode_keys: list[tuple[int, int, list[int]]] = []  # (first key pos, query pos, slots)
+        groups: list[AttentionGroup] = []
+        for i, chunk in enumerate(chunks):
+            req, n = chunk.request, chunk.num_tokens
+            start = req.num_computed
+            row = len(token_ids)
+            token_ids += req.tokens(start, start + n)
+            positions += range(start, start + n)
+            write_slots += self._slots(req.block_table, start, start + n)
+            rows = list(range(row, row + n)) if i in all_logits else [row + n - 1]
+            logit_rows += rows
+            row_counts.append(len(rows))
+            key_start = self._key_start(start + 1)
+            key_slots = self._slots(req.block_table, key_start, start + n)
+            if n == 1:
+                decode_rows.append(row)
+                decode_keys.append((key_start, start, key_slots))
+            else:
+                groups.append(self._prefill_group(row, start, n, key_start, key_slots))
+        if decode_rows:
+            groups.append(self._decode_group(decode_rows, decode_keys))
+        dev = self.decoder.device
+        batch = BatchInput(
+            token_ids=torch.tensor(token_ids, device=dev),
+            positions=torch.tensor(positions, device=dev),
+            write_slots=torch.tensor(write_slots, device=dev),
+            groups=groups,
+            logit_rows=torch.tensor(logit_rows, device=dev),
+        )
+        return batch, row_counts
+
+    def _masks(self, query_pos: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor):
+        """Per window: True where a query may attend a key (causal, in window, not padding)."""
+        delta = query_pos[..., :, None] - key_pos[..., None, :]
+        causal = (delta >= 0) & valid
+        return {w: causal if w is None else causal & (delta < w) for w in self.windows}
+
+    def _prefill_group(
+        self, row: int, start: int, n: int, key_start: int, key_slots: list[int]
+    ) -> AttentionGroup:
+        dev = self.decoder.device
+        query_rows = torch.arange(row, row + n, device=dev)
+        slots = torch.tensor(key_slots, device=dev)[None]
+        if start == 0 and all(w is None or w >= n for w in self.windows):
+            masks = dict.fromkeys(self.windows)  # fresh prompt: plain causal attention is exact
+        else:
+            q_pos = torch.arange(start, start + n, device=dev)
+            k_pos = torch.arange(key_start, start + n, device=dev)
+            masks = {
+                w: m[None, None] for w, m in self._masks(q_pos, k_pos, torch.tensor(True)).items()
+            }
+        return AttentionGroup(query_rows, 1, n, slots, masks)
+
+    def _decode_group(
+        self, rows: list[int], keys: list[tuple[int, int, list[int]]]
+    ) -> AttentionGroup:
+        dev = self.decoder.device
+        width = max(len(slots) for _, _, slots in keys)
+        # Padding points at slot 0 and is masked out.
+        padded = [slots + [0] * (width - len(slots)) for _, _, slots in keys]
+        lengths = torch.tensor([len(slots) for _, _, slots in keys], device=dev)
+        offsets = torch.arange(width, device=dev)
+        valid = offsets[None, :] < lengths[:, None]
+        k_pos = torch.tensor([k0 for k0, _, _ in keys], device=dev)[:, None] + offsets[None, :]
+        q_pos = torch.tensor([q for _, q, _ in keys], device=dev)[:, None]
+        masks = {w: m[:, None] for w, m in self._masks(q_pos, k_pos, valid[:, None, :]).items()}
+        return AttentionGroup(
+            torch.tensor(rows, device=dev), len(rows), 1, torch.tensor(padded, device=dev), masks
+        )

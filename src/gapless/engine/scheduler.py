@@ -1,0 +1,223 @@
+"""The scheduling policy: who runs in the next forward pass, and with how many tokens.
+
+Each step is one hybrid batch:
+1. Every decoding request gets exactly one token. Decodes go first, so an active stream
+   never waits for someone else's prompt. If the KV pool cannot hold the next tokens, the
+   most recently admitted request is preempted (blocks freed, requeued, recomputed later).
+2. What is left of the token budget goes to prompt chunks. The budget is `prefill_chunk`
+   while anyone decodes (or what the latency target allows, see cost_model.py), and
+   `idle_prefill_chunk` when nobody does, so an idle server prefills at full speed.
+3. Chunks go to prefilling and waiting requests in policy order: `fcfs` by arrival, or
+   `shortest` remaining prefill first, aged so that no prompt starves. Several prompts may
+   share the budget. Waiting requests are admitted while `max_num_seqs` and free KV allow.
+A request marked whole_prefill (submit(), or chunking off) takes its whole prompt at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gapless.engine.request import Request, RequestState
+from gapless.kv.block_pool import BlockPool
+from gapless.kv.prefix_cache import block_hashes, match_prefix
+
+# Under `shortest`, each second a request has waited counts as this many fewer prompt
+# tokens: a 30k-token prompt overtaken by short ones still reaches the front within seconds.
+AGING_TOKENS_PER_SECOND = 2048
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_tokens: int
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    prefill_chunk: int = 512
+    idle_prefill_chunk: int = 4096
+    prefill_policy: str = "shortest"
+    enable_prefix_cache: bool = True
+    # The widest attention window over all layers (None: full attention).
+    window: int | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        prefill_budget: Callable[[list[Request]], int] | None = None,
+    ) -> None:
+        if config.prefill_policy not in ("fcfs", "shortest"):
+            raise ValueError(
+                f"prefill_policy must be fcfs or shortest, not {config.prefill_policy!r}"
+            )
+        self.config = config
+        self.pool = pool
+        # A latency target replaces the static chunk budget when decodes run.
+        self.prefill_budget = prefill_budget
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # admitted: prefilling or decoding
+        self._admissions = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_queried_tokens = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Drops a request wherever it is and releases its KV blocks."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self._release_blocks(request)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        chunks = self._schedule_decodes()
+        decodes = [c.request for c in chunks]
+        if decodes:
+            budget = self.config.prefill_chunk
+            if self.prefill_budget is not None:
+                budget = self.prefill_budget(decodes)
+        else:
+            budget = self.config.idle_prefill_chunk
+        now = time.monotonic()
+        candidates = [r for r in self.running if r.state is RequestState.PREFILLING]
+        candidates += self.waiting
+        for request in sorted(candidates, key=lambda r: self._priority(r, now)):
+            if budget <= 0:
+                break
+            if request.state is RequestState.WAITING and not self._admit(request):
+                if self.config.prefill_policy == "fcfs":
+                    break  # keep arrival order: nobody overtakes a request that does not fit
+                continue
+            remaining = request.num_uncomputed
+            n = remaining if request.whole_prefill else min(remaining, budget)
+            if not self._reserve(request, n):
+                n = self._fit(request, n)
+                if n == 0:
+                    continue
+            chunks.append(ScheduledChunk(request, n))
+            budget -= n
+        return chunks
+
+    def _priority(self, request: Request, now: float) -> tuple[float, float]:
+        if self.config.prefill_policy == "fcfs":
+            return (0.0, request.arrival_time)
+        waited = now - request.arrival_time
+        remaining = request.num_uncomputed if request.num_computed else request.num_tokens
+        return (remaining - AGING_TOKENS_PER_SECOND * waited, request.arrival_time)
+
+    def _schedule_decodes(self) -> list[ScheduledChunk]:
+        chunks = []
+        for request in sorted(self.running, key=lambda r: r.admitted_seq):
+            if request.state is not RequestState.DECODING or request not in self.running:
+                continue
+            while not self._reserve(request, 1):
+                victim = max(self.running, key=lambda r: r.admitted_seq)
+                self.preempt(victim)
+                if victim is request:
+                    break
+            if request in self.running:
+                chunks.append(ScheduledChunk(request, 1))
+        return chunks
+
+    def preempt(self, request: Request) -> None:
+        """Frees a running request's KV and requeues it at the front; it recomputes later."""
+        self.running.remove(request)
+        self._release_blocks(request)
+        request.state = RequestState.WAITING
+        request.num_computed = 0
+        request.preemptions += 1
+        self.waiting.insert(0, request)
+
+    def _admit(self, request: Request) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        bs = self.pool.block_size
+        if self.config.enable_prefix_cache and request.params.prompt_logprobs is None:
+            # Recompute at least the last token: its logits pick the first output token.
+            hashes = block_hashes(request.tokens(0, request.num_tokens), bs)
+            cached = match_prefix(self.pool, hashes, (request.num_tokens - 1) // bs)
+        else:
+            hashes, cached = [], []
+        request.block_table = cached
+        request.block_hashes = hashes[: len(cached)]
+        request.num_registered = len(cached)
+        request.num_computed = len(cached) * bs
+        self._drop_outside_window(request)
+        if not self._reserve(request, 1 if not request.whole_prefill else request.num_uncomputed):
+            self._release_blocks(request)
+            request.num_computed = 0
+            return False
+        if not request.preemptions:
+            request.cached_prompt_tokens = request.num_computed
+            self.prefix_hit_tokens += request.num_computed
+            self.prefix_queried_tokens += request.num_tokens
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.state = RequestState.PREFILLING
+        request.admitted_seq = self._admissions
+        self._admissions += 1
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        return True
+
+    def _reserve(self, request: Request, n: int) -> bool:
+        """Makes room in the request's block table for its next n tokens."""
+        self._drop_outside_window(request)
+        need = -(-(request.num_computed + n) // self.pool.block_size) - len(request.block_table)
+        if need <= 0:
+            return True
+        if need > self.pool.num_available:
+            return False
+        request.block_table += self.pool.allocate(need)
+        return True
+
+    def _fit(self, request: Request, n: int) -> int:
+        """The largest chunk of at most n tokens that free KV can hold now."""
+        spare = len(request.block_table) * self.pool.block_size - request.num_computed
+        fit = min(n, spare + self.pool.num_available * self.pool.block_size)
+        if fit > 0 and self._reserve(request, fit):
+            return fit
+        return 0
+
+    def _drop_outside_window(self, request: Request) -> None:
+        """Releases blocks that every layer's window has moved past (the rotating cache)."""
+        window = self.config.window
+        if window is None:
+            return
+        first_needed = max(0, request.num_computed - window + 1) // self.pool.block_size
+        table = request.block_table
+        stale = [b for b in table[:first_needed] if b >= 0]
+        if stale:
+            self.pool.release(stale)
+            table[:first_needed] = [-1] * first_needed
+
+    def _release_blocks(self, request: Request) -> None:
+        self.pool.release([b for b in request.block_table if b >= 0])
+        request.block_table = []
+        request.block_hashes = []
+        request.num_registered = 0
+
+    def register_computed_blocks(self, request: Request) -> None:
+        """Offers the request's newly full blocks to the prefix cache."""
+        if not self.config.enable_prefix_cache:
+            return
+        bs = self.pool.block_size
+        full = request.num_computed // bs
+        if full <= len(request.block_hashes):
+            return
+        done = len(request.block_hashes)
+        parent = request.block_hashes[-1] if done else 0
+        tokens = request.tokens(done * bs, full * bs)
+        request.block_hashes += block_hashes(tokens, bs, parent)
+        for i in range(request.num_registered, full):
+            if request.block_table[i] >= 0:
+                self.pool.register(request.block_table[i], request.block_hashes[i])
+        request.num_registered = full

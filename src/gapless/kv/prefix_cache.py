@@ -1,0 +1,27 @@
+"""Chained hashes of full prompt blocks: equal hashes mean equal whole prefixes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gapless.kv.block_pool import BlockPool
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = 0) -> list[int]:
+    """Hash of each full block, chained through its parent so it identifies the whole prefix."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+def match_prefix(pool: BlockPool, hashes: Sequence[int], max_blocks: int) -> list[int]:
+    """Claims the longest run of cached blocks for these hashes, at most max_blocks."""
+    blocks = []
+    for h in hashes[:max_blocks]:
+        block = pool.lookup(h)
+        if block is None:
+            break
+        blocks.append(block)
+    return blocks

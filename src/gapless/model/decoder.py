@@ -1,0 +1,167 @@
+"""One pre-norm decoder for Llama, Mistral, Qwen2 and Qwen3, run over a ragged mixed batch.
+
+A step's batch is flat: the new tokens of every sequence are concatenated, whether a sequence
+brings one decode token or a chunk of its prompt. Projections and MLPs run once over all of
+them; attention reads each sequence's history from the paged KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gapless.model.config import ModelConfig
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # q, k and v projections fused: one matmul instead of three
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # gate and up projections fused
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences whose attention runs as one SDPA call.
+
+    query_rows: rows of the flat batch holding these sequences' new tokens, [B * n].
+    key_slots: KV-cache slots each sequence attends to, padded, [B, L].
+    masks: per distinct layer window, a bool mask [B, 1, n, L] (True = attend), or None when a
+    plain causal mask over fresh keys is exact.
+    """
+
+    query_rows: torch.Tensor
+    num_seqs: int
+    num_queries: int  # per sequence
+    key_slots: torch.Tensor
+    masks: dict[int | None, torch.Tensor | None]
+
+
+@dataclass
+class BatchInput:
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    write_slots: torch.Tensor  # [T] KV-cache slot of each new token
+    groups: list[AttentionGroup]
+    logit_rows: torch.Tensor  # rows whose logits are returned
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as the reference: normalise in float32, cast, then scale.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = config.rope_scaling
+    if config.rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if config.rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Decoder:
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[Layer],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+    ) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.inv_freq = rope_inv_freq(config).to(embed.device)
+        self.dtype = embed.dtype
+        self.device = embed.device
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: BatchInput, kv_cache: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Runs the batch, writes its K/V into kv_cache, returns float32 logits [R, vocab]."""
+        cfg = self.config
+        x = F.embedding(batch.token_ids, self.embed)
+        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        for layer, window, (k_cache, v_cache) in zip(
+            self.layers, cfg.layer_windows, kv_cache, strict=True
+        ):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(-1, cfg.num_heads, cfg.head_dim)
+            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            k_cache.index_copy_(0, batch.write_slots, k)
+            v_cache.index_copy_(0, batch.write_slots, v)
+            attn = self._attention(q, k_cache, v_cache, batch.groups, window)
+            x = x + F.linear(attn, layer.o, layer.o_bias)
+            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        x = rms_norm(x[batch.logit_rows], self.final_norm, cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        groups: list[AttentionGroup],
+        window: int | None,
+    ) -> torch.Tensor:
+        cfg = self.config
+        out = torch.empty(q.shape[0], cfg.num_heads * cfg.head_dim, dtype=q.dtype, device=q.device)
+        for g in groups:
+            b, n = g.num_seqs, g.num_queries
+            # [B, H, n, D] queries against [B, Hkv, L, D] keys gathered from the paged cache.
+            gq = q[g.query_rows].view(b, n, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+            gk = k_cache[g.key_slots].transpose(1, 2)
+            gv = v_cache[g.key_slots].transpose(1, 2)
+            mask = g.masks[window]
+            o = F.scaled_dot_product_attention(
+                gq, gk, gv, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+            )
+            out[g.query_rows] = o.transpose(1, 2).reshape(b * n, -1)
+        return out

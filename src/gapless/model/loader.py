@@ -1,0 +1,165 @@
+"""Load a Hugging Face safetensors checkpoint (single file or sharded) into a Decoder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from gapless.model.config import ModelConfig
+from gapless.model.decoder import Decoder, Layer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightError(ValueError):
+    pass
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 where bf16 matmuls are fast (CUDA, AMX/AVX512-BF16 CPUs), else float32."""
+    if name == "auto":
+        fast = device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
+        return torch.bfloat16 if fast else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Maps each tensor name to the file that holds it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise WeightError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_layernorm.weight": (h,),
+            "post_attention_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (q, h),
+            "self_attn.k_proj.weight": (kv, h),
+            "self_attn.v_proj.weight": (kv, h),
+            "self_attn.o_proj.weight": (h, q),
+            "mlp.gate_proj.weight": (inter, h),
+            "mlp.up_proj.weight": (inter, h),
+            "mlp.down_proj.weight": (h, inter),
+        }
+        if cfg.qkv_bias:
+            layer |= {
+                "self_attn.q_proj.bias": (q,),
+                "self_attn.k_proj.bias": (kv,),
+                "self_attn.v_proj.bias": (kv,),
+            }
+        if cfg.o_bias:
+            layer["self_attn.o_proj.bias"] = (h,)
+        if cfg.mlp_bias:
+            layer |= {
+                "mlp.gate_proj.bias": (inter,),
+                "mlp.up_proj.bias": (inter,),
+                "mlp.down_proj.bias": (h,),
+            }
+        if cfg.qk_norm:
+            layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+        shapes |= {p + k: v for k, v in layer.items()}
+    return shapes
+
+
+def load_weights(
+    path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    files = _tensor_files(path)
+    expected = expected_shapes(cfg)
+    # Checkpoints may carry buffers we recompute, or an lm_head copy of tied embeddings.
+    ignorable = {n for n in files if n.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        ignorable.add("lm_head.weight")
+    missing = sorted(set(expected) - set(files))
+    extra = sorted(set(files) - set(expected) - ignorable)
+    if missing:
+        raise WeightError(f"missing tensor {missing[0]} ({len(missing)} missing) in {path}")
+    if extra:
+        raise WeightError(f"unexpected tensor {extra[0]} ({len(extra)} unexpected) in {path}")
+
+    weights: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", delay=1.0)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:  # memory-mapped
+            for name in names:
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise WeightError(
+                        f"tensor {name} has shape {list(shape)}, expected {list(expected[name])}"
+                    )
+                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                bar.update()
+    bar.close()
+    return weights
+
+
+def load_decoder(
+    path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
+) -> Decoder:
+    path = Path(path)
+    cfg = ModelConfig.from_pretrained(path)
+    dev = torch.device(device)
+    w = load_weights(path, cfg, resolve_dtype(dtype, dev), dev)
+
+    def cat(*names: str) -> torch.Tensor | None:
+        if names[0] not in w:
+            return None
+        return torch.cat([w.pop(n) for n in names])
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        layers.append(
+            Layer(
+                input_norm=w.pop(p + "input_layernorm.weight"),
+                qkv=cat(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                qkv_bias=cat(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                o=w.pop(attn + "o_proj.weight"),
+                o_bias=w.pop(attn + "o_proj.bias", None),
+                q_norm=w.pop(attn + "q_norm.weight", None),
+                k_norm=w.pop(attn + "k_norm.weight", None),
+                post_norm=w.pop(p + "post_attention_layernorm.weight"),
+                gate_up=cat(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                gate_up_bias=cat(mlp + "gate_proj.bias", mlp + "up_proj.bias"),
+                down=w.pop(mlp + "down_proj.weight"),
+                down_bias=w.pop(mlp + "down_proj.bias", None),
+            )
+        )
+    embed = w.pop("model.embed_tokens.weight")
+    lm_head = embed if cfg.tie_word_embeddings else w.pop("lm_head.weight")
+    return Decoder(cfg, embed, layers, w.pop("model.norm.weight"), lm_head)
