@@ -1,0 +1,157 @@
+"""Seeded random-weight checkpoints in Hugging Face Qwen2 format, for benchmarks that need a
+real model's shapes and costs but not its answers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import torch
+
+PRESETS: dict[str, dict[str, int]] = {
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=32000,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+    ),
+}
+
+
+def model_config(preset: str) -> dict:
+    p = PRESETS[preset]
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        **p,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "use_sliding_window": False,
+        "max_window_layers": p["num_hidden_layers"],
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+
+
+def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Standard HF tensor names and shapes, in the order they are generated and stored."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    shapes = [("model.embed_tokens.weight", (cfg["vocab_size"], h))]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "self_attn.q_proj.weight", (h, h)),
+            (p + "self_attn.q_proj.bias", (h,)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.k_proj.bias", (kv,)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.bias", (kv,)),
+            (p + "self_attn.o_proj.weight", (h, h)),
+            (p + "mlp.gate_proj.weight", (inter, h)),
+            (p + "mlp.up_proj.weight", (inter, h)),
+            (p + "mlp.down_proj.weight", (h, inter)),
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+        ]
+    shapes.append(("model.norm.weight", (h,)))
+    return shapes
+
+
+def write_random_safetensors(
+    path: Path, shapes: list[tuple[str, tuple[int, ...]]], seed: int
+) -> None:
+    """Write bf16 tensors one at a time, so peak memory is one tensor, not the model.
+
+    The safetensors layout is simple enough to stream by hand: a little-endian u64 header
+    length, a JSON header of dtype/shape/byte offsets (padded to 8 bytes), then raw data."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes:
+        size = 2 * math.prod(shape)
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    gen = torch.Generator().manual_seed(seed)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, shape in shapes:
+            if name.endswith("norm.weight"):
+                t = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                t = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+            # bf16 bits reinterpreted as int16 so numpy can hand out the raw bytes.
+            f.write(t.view(torch.int16).numpy().data)
+
+
+def _special_ids(out: Path) -> dict[str, int]:
+    """bos/eos/pad ids as declared by the tokenizer files, whatever the tokenizer helper chose."""
+    tok_cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
+    added = {
+        t["content"]: t["id"]
+        for t in json.loads((out / "tokenizer.json").read_text()).get("added_tokens", [])
+    }
+    ids = {}
+    for key in ("bos_token", "eos_token", "pad_token"):
+        tok = tok_cfg.get(key)
+        name = tok.get("content") if isinstance(tok, dict) else tok
+        if name in added:
+            ids[f"{key}_id"] = added[name]
+    return ids
+
+
+def make_model(out_dir: str | Path, preset: str = "qwen2.5-0.5b", seed: int = 0) -> Path:
+    """Write config, weights, generation config and tokenizer to `out_dir` (must not exist or
+    be empty). Files land in a temp dir renamed at the end, so a crash leaves no half model."""
+    from gapless.model.demo import build_bpe_tokenizer, write_tokenizer_files
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty")
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        cfg = model_config(preset)
+        tokenizer = build_bpe_tokenizer(cfg["vocab_size"])
+        write_tokenizer_files(tokenizer, tmp, model_max_length=cfg["max_position_embeddings"])
+        cfg.update(_special_ids(tmp))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        gen_cfg = {
+            k: v for k, v in cfg.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")
+        }
+        (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+        write_random_safetensors(tmp / "model.safetensors", tensor_shapes(cfg), seed)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

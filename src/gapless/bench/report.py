@@ -1,0 +1,132 @@
+"""Comparison table (markdown) and PNG plots: token timelines and the ITL CDF."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from gapless.bench.client import RequestRecord
+from gapless.bench.metrics import itls
+
+# (metric key, row label, format); rows where every config has no value are left out.
+TABLE_ROWS = [
+    ("completed", "completed requests", "d"),
+    ("failed", "failed requests", "d"),
+    ("cancelled", "cancelled (prefill/decode)", "cancel"),
+    ("duration_s", "duration (s)", ".2f"),
+    ("request_throughput", "request throughput (req/s)", ".3f"),
+    ("output_throughput", "output throughput (tok/s)", ".1f"),
+    ("total_token_throughput", "total throughput (tok/s)", ".1f"),
+    ("goodput", "goodput (req/s)", ".3f"),
+    ("ttft_ms_p50", "TTFT p50 (ms)", ".1f"),
+    ("ttft_ms_p99", "TTFT p99 (ms)", ".1f"),
+    ("tpot_ms_p50", "TPOT p50 (ms)", ".1f"),
+    ("tpot_ms_p99", "TPOT p99 (ms)", ".1f"),
+    ("itl_ms_p50", "ITL p50 (ms)", ".1f"),
+    ("itl_ms_p90", "ITL p90 (ms)", ".1f"),
+    ("itl_ms_p99", "ITL p99 (ms)", ".1f"),
+    ("max_stall_ms", "max stall during a prefill (ms)", ".1f"),
+    ("itl_ms_max", "max ITL, any (ms)", ".1f"),
+    ("long_ttft_ms", "long prompt TTFT (ms)", ".1f"),
+    ("long_prefill_itl_ms_p99", "ITL p99 during long prefill (ms)", ".1f"),
+]
+
+
+def _cell(metrics: Mapping, key: str, fmt: str) -> str:
+    if fmt == "cancel":
+        if not metrics.get("cancelled"):
+            return "0"
+        return (
+            f"{metrics['cancelled']} ({metrics['cancelled_in_prefill']}/"
+            f"{metrics['cancelled_in_decode']})"
+        )
+    value = metrics.get(key)
+    return "-" if value is None else format(value, fmt)
+
+
+def format_table(metrics_by_config: Mapping[str, Mapping]) -> str:
+    """A markdown table: one row per metric, one column per configuration."""
+    names = list(metrics_by_config)
+    lines = ["| metric | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for key, label, fmt in TABLE_ROWS:
+        if all(m.get(key) is None for m in metrics_by_config.values()):
+            continue
+        cells = [_cell(metrics_by_config[n], key, fmt) for n in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _save(fig: Figure, path: Path) -> None:
+    # A bare Figure with an Agg canvas: no pyplot global state, no display needed.
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=110)
+
+
+def plot_timeline(records_by_config: Mapping[str, Sequence[RequestRecord]], path: Path) -> None:
+    """One panel per config; a row per request with a tick per token arrival, its prefill
+    window shaded, prefill-progress events as dots and client disconnects as red crosses."""
+    n_panels = len(records_by_config)
+    rows = max(len(r) for r in records_by_config.values()) if records_by_config else 1
+    panel_h = min(6.0, 1.0 + 0.3 * rows)
+    fig = Figure(figsize=(11, panel_h * n_panels + 0.6), layout="constrained")
+    axes = fig.subplots(n_panels, 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (name, records) in zip(axes, records_by_config.items(), strict=True):
+        for y, rec in enumerate(records):
+            start, end = rec.prefill_window
+            ax.broken_barh(
+                [(start, max(end - start, 1e-4))],
+                (y - 0.4, 0.8),
+                color="tab:orange",
+                alpha=0.3,
+                linewidth=0,
+            )
+            if rec.progress:
+                ax.plot(
+                    [p[0] for p in rec.progress],
+                    [y] * len(rec.progress),
+                    ".",
+                    color="tab:orange",
+                    markersize=3,
+                )
+            if rec.cancelled and rec.end_s is not None:
+                ax.plot([rec.end_s], [y], "x", color="tab:red")
+        ax.eventplot(
+            [rec.token_s for rec in records],
+            lineoffsets=list(range(len(records))),
+            linelengths=0.7,
+            linewidths=0.6,
+            colors="tab:blue",
+        )
+        ax.set_yticks(
+            range(len(records)),
+            [f"{r.rid}{' ' + r.tag if r.tag else ''}" for r in records],
+            fontsize=7,
+        )
+        ax.set_ylim(-0.7, len(records) - 0.3)
+        ax.invert_yaxis()
+        ax.set_title(f"{name}: token arrivals (ticks), prefill windows (shaded)", fontsize=9)
+    axes[-1].set_xlabel("seconds since bench start")
+    _save(fig, path)
+
+
+def plot_itl_cdf(records_by_config: Mapping[str, Sequence[RequestRecord]], path: Path) -> None:
+    """One ITL CDF curve per config; symlog x so both typical gaps and stalls are readable
+    (zero gaps from multi-token chunks would not fit a plain log axis)."""
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for name, records in records_by_config.items():
+        gaps = np.sort([g * 1000 for r in records if r.error is None for g in itls(r.token_s)])
+        if len(gaps):
+            ax.step(gaps, np.arange(1, len(gaps) + 1) / len(gaps), where="post", label=name)
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_xlabel("inter-token latency (ms)")
+    ax.set_ylabel("fraction of gaps <= x")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    if ax.get_lines():
+        ax.legend()
+    _save(fig, path)

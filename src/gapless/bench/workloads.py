@@ -1,0 +1,125 @@
+"""Seeded request lists: the same arguments and seed always give the same requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+# Low ids are often special or control tokens; random prompts stay clear of them.
+MIN_TOKEN_ID = 100
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    rid: int
+    arrival_s: float  # offset from bench start
+    prompt: list[int]
+    max_tokens: int
+    tag: str = ""  # "long" marks the stall workload's long prompt
+    # Disconnect after this many output tokens (decode-phase cancel) ...
+    cancel_after_tokens: int | None = None
+    # ... or this long after sending, whatever has arrived (aimed at the prefill phase).
+    cancel_after_s: float | None = None
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    name: str
+    seed: int = 0
+    vocab_size: int = 32000
+    # stall
+    num_streams: int = 4
+    stream_prompt_tokens: int = 64
+    stream_tokens: int = 256
+    long_tokens: int = 8192
+    long_at: float = 3.0
+    long_max_tokens: int = 16
+    # mixed / prefix / cancel
+    rate: float = 1.0
+    num_requests: int = 32
+    duration: float | None = None  # caps arrivals at this offset
+    prefix_tokens: int = 2000
+    suffix_tokens: int = 64
+    prefix_max_tokens: int = 64
+
+
+def _ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    return rng.integers(MIN_TOKEN_ID, vocab, size=n).tolist()
+
+
+def _poisson_arrivals(rng: np.random.Generator, spec: WorkloadSpec) -> list[float]:
+    gaps = rng.exponential(1.0 / spec.rate, size=spec.num_requests)
+    # The first request goes at t=0 so the run never starts with dead time.
+    times = np.concatenate([[0.0], np.cumsum(gaps[1:])])
+    if spec.duration is not None:
+        times = times[times <= spec.duration]
+    return times.tolist()
+
+
+def stall(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
+    reqs = [
+        BenchRequest(
+            i, 0.0, _ids(rng, spec.stream_prompt_tokens, spec.vocab_size), spec.stream_tokens
+        )
+        for i in range(spec.num_streams)
+    ]
+    long_prompt = _ids(rng, spec.long_tokens, spec.vocab_size)
+    reqs.append(
+        BenchRequest(spec.num_streams, spec.long_at, long_prompt, spec.long_max_tokens, tag="long")
+    )
+    return reqs
+
+
+def _mixed_lengths(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    # Log-normal with median 512 (mu = ln 512); sigma 1 spans short chats to long documents.
+    prompt_lens = np.clip(rng.lognormal(np.log(512), 1.0, size=n), 16, 8192).astype(int)
+    output_lens = rng.integers(32, 257, size=n)
+    return prompt_lens, output_lens
+
+
+def mixed(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
+    arrivals = _poisson_arrivals(rng, spec)
+    prompt_lens, output_lens = _mixed_lengths(rng, len(arrivals))
+    return [
+        BenchRequest(i, t, _ids(rng, int(p), spec.vocab_size), int(o))
+        for i, (t, p, o) in enumerate(zip(arrivals, prompt_lens, output_lens, strict=True))
+    ]
+
+
+def prefix(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
+    shared = _ids(rng, spec.prefix_tokens, spec.vocab_size)
+    arrivals = _poisson_arrivals(rng, spec)
+    return [
+        BenchRequest(
+            i, t, shared + _ids(rng, spec.suffix_tokens, spec.vocab_size), spec.prefix_max_tokens
+        )
+        for i, t in enumerate(arrivals)
+    ]
+
+
+def cancel(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
+    out = []
+    for req in mixed(spec, rng):
+        if rng.random() < 0.5:
+            # A prefill of a few hundred tokens takes tens to hundreds of ms on most servers;
+            # whether the client really left during prefill is recorded, not assumed.
+            out.append(replace(req, cancel_after_s=float(rng.uniform(0.01, 0.3))))
+        else:
+            out.append(replace(req, cancel_after_tokens=int(rng.integers(1, req.max_tokens))))
+    return out
+
+
+_BUILDERS = {"stall": stall, "mixed": mixed, "prefix": prefix, "cancel": cancel}
+
+
+def build_workload(spec: WorkloadSpec) -> list[BenchRequest]:
+    """The request list for `spec`, sorted by arrival."""
+    if spec.name not in _BUILDERS:
+        raise ValueError(f"unknown workload {spec.name!r}; choose from {', '.join(_BUILDERS)}")
+    rng = np.random.default_rng(spec.seed)
+    reqs = _BUILDERS[spec.name](spec, rng)
+    return sorted(reqs, key=lambda r: (r.arrival_s, r.rid))
+
+
+WORKLOADS = tuple(_BUILDERS)

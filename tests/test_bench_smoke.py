@@ -1,0 +1,252 @@
+"""End-to-end runs of `gapless bench`: against a fake SSE server (client, CLI, outputs), and
+`--compare` against our real server on a tiny random checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import uvicorn
+from safetensors import safe_open
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from gapless.bench.cli import add_bench_parser
+from gapless.bench.compare import free_port
+from gapless.bench.make_model import model_config, tensor_shapes, write_random_safetensors
+from gapless.bench.metrics import compute_metrics
+from gapless.bench.report import TABLE_ROWS
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Every metric the stall workload must produce (goodput because the tests pass --slo).
+STALL_METRICS = [
+    "duration_s",
+    "completed",
+    "failed",
+    "cancelled",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "goodput",
+    "max_stall_ms",
+    "long_ttft_ms",
+    "long_prefill_itl_ms_p99",
+    *(
+        f"{m}_ms_{s}"
+        for m in ("ttft", "tpot", "itl", "e2el")
+        for s in ("mean", "p50", "p90", "p99", "max")
+    ),
+]
+FAKE_TOKEN_S = 0.01
+FAKE_PREFILL_CHUNK = 64
+
+
+async def _fake_completions(request: Request) -> StreamingResponse:
+    """A server that prefills in chunks (progress comments) and streams one token per chunk."""
+    body = await request.json()
+    prompt, n = body["prompt"], body["max_tokens"]
+
+    async def events():
+        for done in range(FAKE_PREFILL_CHUNK, len(prompt) + FAKE_PREFILL_CHUNK, FAKE_PREFILL_CHUNK):
+            await asyncio.sleep(0.005)
+            total = len(prompt)
+            yield f': prefill_progress {{"processed": {min(done, total)}, "total": {total}}}\n\n'
+        for i in range(n):
+            await asyncio.sleep(FAKE_TOKEN_S)
+            choice = {
+                "index": 0,
+                "text": f" t{i}",
+                "finish_reason": None if i < n - 1 else "length",
+            }
+            yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": n}
+        yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@pytest.fixture
+def fake_server():
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", _fake_completions, methods=["POST"]),
+            Route("/health", lambda _: PlainTextResponse("ok")),
+        ]
+    )
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.02)
+    assert server.started, "fake server did not start"
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(5)
+
+
+def bench(argv: list[str]) -> int:
+    # Our own parser, not gapless.cli.main: this must not depend on the server package.
+    parser = argparse.ArgumentParser(prog="gapless")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return args.func(args)
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 1000, path
+
+
+# The streams decode long enough to still be running when the long prompt arrives, even on a
+# fast machine: the stall metrics need that overlap.
+STREAM_TOKENS = 128
+TINY_STALL = [
+    *("--workload", "stall", "--num-streams", "2", "--stream-tokens", str(STREAM_TOKENS)),
+    *("--long-tokens", "256", "--long-at", "0.1", "--slo", "ttft:2000,itl:500"),
+]
+
+
+def test_bench_against_fake_server(fake_server, tmp_path):
+    out = tmp_path / "out"
+    rc = bench(
+        [
+            "--url",
+            fake_server,
+            "--model",
+            "fake",
+            "--vocab-size",
+            "512",
+            *TINY_STALL,
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["workload"]["long_tokens"] == 256
+    run = results["configs"]["default"]
+    assert set(STALL_METRICS) <= set(run["metrics"])
+    assert all(run["metrics"][k] is not None for k in STALL_METRICS)
+    assert run["metrics"]["completed"] == 3 and run["metrics"]["failed"] == 0
+    assert run["metrics"]["total_output_tokens"] == 2 * STREAM_TOKENS + 16
+    reqs = {r["rid"]: r for r in run["requests"]}
+    long = reqs[2]
+    assert long["tag"] == "long" and long["prompt_tokens"] == 256
+    # 256 tokens in 64-token chunks: four progress comments, the last one complete.
+    assert [p[1:] for p in long["progress"]] == [[64, 256], [128, 256], [192, 256], [256, 256]]
+    assert long["prefill_window"][1] == long["token_s"][0]
+    assert [len(r["token_s"]) for r in reqs.values()] == [STREAM_TOKENS, STREAM_TOKENS, 16]
+    # The stored timelines reproduce the stored metrics.
+    from gapless.bench.client import RequestRecord
+
+    records = [RequestRecord.from_dict(r) for r in run["requests"]]
+    again = compute_metrics(records, run["metrics"]["duration_s"], {"ttft": 2000, "itl": 500})
+    assert again == run["metrics"]
+    table = (out / "table.md").read_text()
+    assert "| metric | default |" in table and "TTFT p50 (ms)" in table
+    _assert_png(out / "timeline.png")
+    _assert_png(out / "itl_cdf.png")
+
+
+def test_cancel_workload_disconnects(fake_server, tmp_path):
+    out = tmp_path / "out"
+    rc = bench(
+        [
+            "--url",
+            fake_server,
+            "--model",
+            "fake",
+            "--workload",
+            "cancel",
+            "--rate",
+            "50",
+            "--num-requests",
+            "12",
+            "--seed",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    run = json.loads((out / "results.json").read_text())["configs"]["default"]
+    assert run["metrics"]["cancelled"] == 12 and run["metrics"]["completed"] == 0
+    reqs = run["requests"]
+    assert {r["cancel_phase"] for r in reqs} <= {"prefill", "decode"}
+    # Token-count cancels stop exactly at their count, well short of max_tokens.
+    decode = [r for r in reqs if r["cancel_phase"] == "decode"]
+    assert decode and all(len(r["token_s"]) < r["max_tokens"] for r in decode)
+
+
+def test_random_safetensors_names_and_seed(tmp_path):
+    cfg = model_config("tiny")
+    shapes = tensor_shapes(cfg)
+    names = [n for n, _ in shapes]
+    assert len(names) == 1 + 12 * 2 + 1 and len(set(names)) == len(names)
+    assert "model.layers.1.self_attn.k_proj.bias" in names and "lm_head.weight" not in names
+    write_random_safetensors(tmp_path / "a.safetensors", shapes, seed=0)
+    write_random_safetensors(tmp_path / "b.safetensors", shapes, seed=0)
+    write_random_safetensors(tmp_path / "c.safetensors", shapes, seed=1)
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    assert (tmp_path / "a.safetensors").read_bytes() != (tmp_path / "c.safetensors").read_bytes()
+    with safe_open(tmp_path / "a.safetensors", framework="pt") as f:
+        assert sorted(f.keys()) == sorted(names)
+        emb = f.get_tensor("model.embed_tokens.weight")
+        assert emb.dtype == torch.bfloat16 and tuple(emb.shape) == (512, 64)
+        assert 0.015 < emb.float().std().item() < 0.025
+        assert tuple(f.get_tensor("model.layers.0.self_attn.k_proj.weight").shape) == (32, 64)
+        assert torch.all(f.get_tensor("model.norm.weight") == 1)
+
+
+def test_compare_on_tiny_checkpoint(tmp_path):
+    ckpt = tmp_path / "tiny"
+    assert bench(["make-model", str(ckpt), "--preset", "tiny", "--seed", "0"]) == 0
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["vocab_size"] == 512
+    out = tmp_path / "out"
+    rc = bench(
+        [
+            "--compare",
+            "blocking=--no-chunked-prefill",
+            "chunk16=--prefill-chunk 16",
+            "--model-dir",
+            str(ckpt),
+            "--model",
+            "tiny",
+            "--server-timeout",
+            "60",
+            *TINY_STALL,
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["configs"]) == ["blocking", "chunk16"]
+    assert results["configs"]["chunk16"]["server_flags"] == "--prefill-chunk 16"
+    for name, run in results["configs"].items():
+        metrics = run["metrics"]
+        missing = [k for k in STALL_METRICS if metrics.get(k) is None]
+        assert not missing, (name, missing)
+        assert metrics["completed"] == 3 and metrics["failed"] == 0
+        assert metrics["total_output_tokens"] == 2 * STREAM_TOKENS + 16
+        assert [len(r["token_s"]) for r in run["requests"]] == [STREAM_TOKENS] * 2 + [16]
+    table = (out / "table.md").read_text()
+    assert "| metric | blocking | chunk16 |" in table
+    assert sum(label in table for _, label, _ in TABLE_ROWS) >= 15
+    _assert_png(out / "timeline.png")
+    _assert_png(out / "itl_cdf.png")
