@@ -1,0 +1,73 @@
+"""Offline batch generation, in the shape users know from vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.events import FinishedEvent, TokenEvent, TokenLogprob
+from gapless.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None
+    # Per prompt position: None for the first, then the actual token's logprob (+ top-k).
+    prompt_logprobs: list[TokenLogprob | None] | None
+    cached_prompt_tokens: int
+
+
+class LLM:
+    """`LLM(path, **EngineConfig fields).generate(prompts, params)`."""
+
+    def __init__(self, model: str | Path, **engine_fields) -> None:
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = set(engine_fields) - names
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        self.engine = Engine.from_pretrained(model, EngineConfig(**engine_fields))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        outputs: dict[str, RequestOutput] = {}
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        logprobs: dict[str, list[TokenLogprob]] = {i: [] for i in ids}
+        requests = {i: self.engine._requests[i] for i in ids}
+        while len(outputs) < len(ids):
+            for event in self.engine.step():
+                rid = event.request_id
+                if isinstance(event, TokenEvent):
+                    tokens[rid] += event.token_ids
+                    texts[rid].append(event.text)
+                    logprobs[rid] += event.logprobs or []
+                elif isinstance(event, FinishedEvent):
+                    if event.error:
+                        raise RuntimeError(f"request {rid} failed: {event.error}")
+                    outputs[rid] = RequestOutput(
+                        request_id=rid,
+                        prompt_token_ids=requests[rid].prompt_ids,
+                        token_ids=tokens[rid],
+                        text="".join(texts[rid]) + event.text,
+                        finish_reason=event.finish_reason,
+                        logprobs=logprobs[rid] if requests[rid].params.logprobs is not None else None,
+                        prompt_logprobs=event.prompt_logprobs,
+                        cached_prompt_tokens=event.cached_prompt_tokens,
+                    )
+        return [outputs[i] for i in ids]
