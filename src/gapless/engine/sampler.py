@@ -18,17 +18,18 @@ def apply_penalties(
     frequency: float,
     repetition: float,
 ) -> torch.Tensor:
-    """OpenAI presence/frequency penalties over generated tokens; CTRL-style repetition
-    penalty over prompt and generated tokens (divide positive logits, multiply negative)."""
+    """CTRL-style repetition penalty over prompt and generated tokens (divide positive
+    logits, multiply negative), then OpenAI frequency and presence penalties over generated
+    tokens; the order vLLM uses."""
     logits = logits.clone()
-    if output_ids and (presence or frequency):
-        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
-        logits[ids] -= presence + frequency * counts.to(logits.dtype)
     if repetition != 1.0:
         seen = torch.tensor(list(set(prompt_ids) | set(output_ids)), device=logits.device)
         if len(seen):
             picked = logits[seen]
             logits[seen] = torch.where(picked > 0, picked / repetition, picked * repetition)
+    if output_ids and (presence or frequency):
+        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
+        logits[ids] -= presence + frequency * counts.to(logits.dtype)
     return logits
 
 
@@ -64,13 +65,14 @@ def sample(requests: list[Request], logits: torch.Tensor) -> list[tuple[int, Tok
     other requests share the batch.
     """
     greedy_rows = [i for i, r in enumerate(requests) if r.params.greedy and not _penalised(r)]
+    plain_greedy = set(greedy_rows)
     choices: list[int] = [0] * len(requests)
     if greedy_rows:
         picked = logits[greedy_rows].argmax(-1).tolist()
         for i, token in zip(greedy_rows, picked, strict=True):
             choices[i] = token
     for i, req in enumerate(requests):
-        if i in greedy_rows:
+        if i in plain_greedy:
             continue
         p = req.params
         row = apply_penalties(

@@ -1,0 +1,316 @@
+"""Engine behaviour users rely on: no stalls, cancellation, prefix reuse, exact tokens."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from gapless import Engine, EngineConfig, SamplingParams
+from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
+from gapless.engine.runner import ModelRunner
+from gapless.engine.sampler import apply_penalties
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(10, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
+
+
+@pytest.fixture
+def make_engine(checkpoint):
+    def make(arch: str = "llama", **fields) -> Engine:
+        return Engine.from_pretrained(checkpoint(arch), EngineConfig(dtype="float32", **fields))
+
+    return make
+
+
+def run(engine: Engine, log: dict | None = None) -> dict[str, list]:
+    """Steps until idle; returns each request's events in order."""
+    log = {} if log is None else log
+    while engine.has_work:
+        for event in engine.step():
+            log.setdefault(event.request_id, []).append(event)
+    return log
+
+
+def tokens(events: list) -> list[int]:
+    return [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
+
+
+def finished(events: list) -> FinishedEvent:
+    assert isinstance(events[-1], FinishedEvent)
+    return events[-1]
+
+
+def step_counts(engine: Engine) -> tuple[dict[str, int], list]:
+    events = engine.step()
+    counts: dict[str, int] = {}
+    for e in events:
+        if isinstance(e, TokenEvent):
+            counts[e.request_id] = counts.get(e.request_id, 0) + len(e.token_ids)
+    return counts, events
+
+
+def start_decoding(engine: Engine, *prompts: list[int], max_tokens: int = 60) -> list[str]:
+    ids = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
+    engine.step()  # idle budget: both prompts prefill and sample in one step
+    assert all(engine._requests[i].is_decoding for i in ids)
+    return ids
+
+
+def test_decodes_never_stall_while_a_long_prompt_prefills(make_engine):
+    engine = make_engine(prefill_chunk=16)
+    a, b = start_decoding(engine, prompt(3, 1), prompt(4, 2))
+    c = engine.add_request(prompt(8 * 16 + 5, 3), greedy(5))
+    progress = []
+    while not engine._requests[c].is_decoding:
+        counts, events = step_counts(engine)
+        assert counts.get(a) == 1 and counts.get(b) == 1
+        progress += [e for e in events if isinstance(e, ProgressEvent)]
+    assert len(progress) == 9  # ceil(133 / 16) chunks, each in a step of its own
+    counts, _ = step_counts(engine)
+    assert counts == {a: 1, b: 1, c: 1}
+
+
+def test_cancel_mid_prefill_frees_blocks_keeps_prefix_and_leaves_others_alone(make_engine):
+    pa, pb, pc = prompt(3, 1), prompt(4, 2), prompt(8 * 16, 3)
+    solo = make_engine(prefill_chunk=16)
+    ids = start_decoding(solo, pa, pb, max_tokens=12)
+    reference = run(solo)
+
+    engine = make_engine(prefill_chunk=16)
+    log: dict = {}
+    a, b = start_decoding(engine, pa, pb, max_tokens=12)
+    free_before = engine.pool.num_free
+    c = engine.add_request(pc, greedy(5))
+    for _ in range(2):
+        for e in engine.step():
+            log.setdefault(e.request_id, []).append(e)
+    assert [e.processed for e in log[c]] == [16, 32]
+    engine.cancel(c)
+    for e in engine.step():
+        log.setdefault(e.request_id, []).append(e)
+    assert isinstance(log[c][-1], FinishedEvent) and log[c][-1].finish_reason == "cancelled"
+    n_events = len(log[c])
+    assert engine.pool.num_cached == 2  # the two computed prompt blocks stay reusable
+    assert engine.pool.num_free == free_before - 2
+    run(engine, log)
+    assert len(log[c]) == n_events  # nothing after the cancelled event
+    assert tokens(log[a]) == tokens(reference[ids[0]])
+    assert tokens(log[b]) == tokens(reference[ids[1]])
+    assert engine.pool.num_used == 0
+
+    # A retry resumes from the cached prefix: only the uncached tail is computed.
+    retry = engine.add_request(pc, greedy(5))
+    events = run(engine)[retry]
+    assert finished(events).cached_prompt_tokens == 32
+    assert [e.processed for e in events if isinstance(e, ProgressEvent)][0] == 32 + 16 * 6
+
+
+def test_cancel_while_queued_and_while_decoding(make_engine):
+    engine = make_engine(max_num_seqs=1)
+    first = engine.add_request(prompt(20), greedy(30))
+    queued = engine.add_request(prompt(30, 1), greedy(30))
+    engine.step()
+    engine.step()
+    assert engine.cancel(queued)
+    assert engine.cancel(first)
+    events = run(engine)
+    assert [type(e) for e in events[queued]] == [FinishedEvent]
+    assert finished(events[first]).finish_reason == "cancelled"
+    assert len(tokens(events[first])) == 0  # cancelled before the step that would emit more
+    assert not engine.cancel(first)
+    assert engine.pool.num_used == 0
+
+
+class WholePromptRunner(ModelRunner):
+    supports_chunked_prefill = False
+
+
+def test_runner_that_cannot_chunk_is_served_whole(make_engine, checkpoint, caplog):
+    prompts = [prompt(n, n) for n in (70, 33, 5)]
+    chunked = make_engine(prefill_chunk=16)
+    want = run_all(chunked, prompts)
+
+    base = make_engine()
+    runner = WholePromptRunner(base.decoder, 64, 16)
+    with caplog.at_level(logging.WARNING, logger="gapless.engine"):
+        engine = Engine(base.decoder, base.tokenizer, EngineConfig(prefill_chunk=16), runner)
+    assert "cannot prefill in chunks" in caplog.text
+    ids = [engine.add_request(p, greedy(8)) for p in prompts]
+    events = run(engine)
+    for i, rid in enumerate(ids):
+        assert tokens(events[rid]) == want[i]
+        assert len([e for e in events[rid] if isinstance(e, ProgressEvent)]) == 1
+
+
+def run_all(engine: Engine, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+    ids = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
+    events = run(engine)
+    return [tokens(events[i]) for i in ids]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_same_greedy_tokens_alone_busy_chunked_and_unchunked(make_engine, arch):
+    target = prompt(150, 9)
+    alone = run_all(make_engine(arch), [target], 24)[0]
+    for fields in ({"prefill_chunk": 16}, {"prefill_chunk": 512}, {"chunked_prefill": False}):
+        engine = make_engine(arch, **fields)
+        busy = [
+            engine.add_request(prompt(n, n), SamplingParams(max_tokens=30, seed=n))
+            for n in (40, 7, 90)
+        ]
+        engine.step()
+        tid = engine.add_request(target, greedy(24))
+        events = run(engine)
+        assert tokens(events[tid]) == alone, fields
+        assert all(finished(events[i]).finish_reason in ("stop", "length") for i in busy)
+
+
+def test_prefix_cache_prefills_only_the_remainder(make_engine):
+    shared = prompt(300, 4)
+    first, second = shared + prompt(20, 5), shared + prompt(25, 6)
+    cold = run_all(make_engine(enable_prefix_cache=False), [second], 12)[0]
+    engine = make_engine(prefill_chunk=64, idle_prefill_chunk=64)
+    run_all(engine, [first], 4)
+    rid = engine.add_request(second, greedy(12))
+    events = run(engine)[rid]
+    hit = 300 // 16 * 16
+    assert finished(events).cached_prompt_tokens == hit
+    progress = [e.processed for e in events if isinstance(e, ProgressEvent)]
+    assert progress == [hit + 37]  # the uncached 37 tokens in one chunk
+    assert tokens(events) == cold
+    assert engine.stats()["prefix_cache_hit_tokens_total"] == hit
+
+
+def test_progress_events_per_chunk(make_engine):
+    engine = make_engine(prefill_chunk=16, idle_prefill_chunk=16)
+    calls = []
+    rid = engine.add_request(prompt(100), greedy(2), progress_callback=calls.append)
+    events = run(engine)[rid]
+    progress = [e for e in events if isinstance(e, ProgressEvent)]
+    assert [e.processed for e in progress] == [16, 32, 48, 64, 80, 96, 100]
+    assert len(progress) == math.ceil(100 / 16)
+    assert all(e.total == 100 for e in progress)
+    assert calls == progress
+    first_token = next(i for i, e in enumerate(events) if isinstance(e, TokenEvent))
+    assert all(isinstance(e, ProgressEvent) for e in events[:first_token])
+
+
+def test_idle_fast_path_prefills_5000_tokens_in_two_steps(checkpoint):
+    path = checkpoint("llama", max_position_embeddings=8192)
+    engine = Engine.from_pretrained(path, EngineConfig(dtype="float32"))
+    rid = engine.add_request(prompt(5000), greedy(1))
+    steps = 0
+    while engine._requests.get(rid) and not engine._requests[rid].output_ids:
+        engine.step()
+        steps += 1
+    assert steps == 2
+
+
+@pytest.mark.parametrize("policy", ["shortest", "fcfs"])
+def test_short_prompt_overtakes_long_prefill_only_under_shortest(make_engine, policy):
+    engine = make_engine(prefill_chunk=16, idle_prefill_chunk=16, prefill_policy=policy)
+    long_id = engine.add_request(prompt(20 * 16, 1), greedy(2))
+    engine.step()
+    engine.step()
+    short_id = engine.add_request(prompt(40, 2), greedy(2))
+    order = []
+    while engine.has_work:
+        for e in engine.step():
+            if isinstance(e, TokenEvent) and e.request_id not in order:
+                order.append(e.request_id)
+            if isinstance(e, ProgressEvent) and e.request_id == long_id and e.processed == e.total:
+                order.append("long prefilled")
+    if policy == "shortest":
+        assert order.index(short_id) < order.index("long prefilled")
+    else:
+        assert order.index(short_id) > order.index("long prefilled")
+    assert long_id in order
+
+
+def test_kv_exhaustion_preempts_and_still_completes_everything(make_engine):
+    prompts = [prompt(30, i) for i in range(4)]
+    want = run_all(make_engine(), prompts, 40)
+    engine = make_engine(kv_cache_tokens=10 * 16)  # 10 blocks; the four need 20
+    ids = [engine.add_request(p, greedy(40)) for p in prompts]
+    events = run(engine)
+    assert [tokens(events[i]) for i in ids] == want
+    assert sum(finished(events[i]).preempted for i in ids) > 0
+    assert engine.pool.num_used == 0
+
+
+def test_prompt_that_can_never_fit_is_rejected(make_engine):
+    from gapless.engine.engine import RequestError
+
+    engine = make_engine(kv_cache_tokens=64)
+    with pytest.raises(RequestError, match="KV cache holds 64"):
+        engine.add_request(prompt(100), greedy(1))
+    with pytest.raises(RequestError, match="context is 2048"):
+        engine.add_request(prompt(2048), greedy(1))
+
+
+def test_sliding_window_releases_blocks_behind_the_window(make_engine):
+    engine = make_engine("mistral", prefill_chunk=16)  # window 24
+    rid = engine.add_request(prompt(40), greedy(200))
+    peak = 0
+    while engine.has_work:
+        engine.step()
+        req = engine._requests.get(rid)
+        if req is not None:
+            peak = max(peak, sum(b >= 0 for b in req.block_table))
+    assert peak <= 3  # a 24-token window plus the block being written spans at most 3
+    assert engine.pool.num_used == 0
+
+
+def test_seeded_sampling_is_the_same_in_any_batch(make_engine):
+    params = SamplingParams(
+        max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True
+    )
+    alone = make_engine()
+    rid = alone.add_request(prompt(12), params)
+    want = tokens(run(alone)[rid])
+    busy = make_engine()
+    for n in (30, 5):
+        busy.add_request(prompt(n, n), SamplingParams(max_tokens=25, seed=n, ignore_eos=True))
+    rid = busy.add_request(prompt(12), params)
+    assert tokens(run(busy)[rid]) == want
+    unseeded = make_engine()
+    rid = unseeded.add_request(prompt(12), SamplingParams(max_tokens=20, seed=8, ignore_eos=True))
+    assert tokens(run(unseeded)[rid]) != want
+
+
+def test_stop_string_across_tokens_is_caught_and_never_streamed(make_engine):
+    engine = make_engine()
+    rid = engine.add_request(prompt(10), greedy(40))
+    events = run(engine)[rid]
+    pieces = [e.text for e in events if isinstance(e, TokenEvent)]
+    # A stop string made of the end of one token's text and the start of the next.
+    i = next(i for i in range(5, len(pieces) - 1) if len(pieces[i]) >= 2 and pieces[i + 1])
+    stop = pieces[i][-2:] + pieces[i + 1][:2]
+    full = "".join(pieces)
+    engine = make_engine()
+    rid = engine.add_request(prompt(10), greedy(40, stop=[stop]))
+    events = run(engine)[rid]
+    streamed = "".join(e.text for e in events if isinstance(e, TokenEvent)) + finished(events).text
+    assert streamed == full[: full.index(stop)]
+    assert finished(events).finish_reason == "stop"
+    assert all(stop not in e.text for e in events if isinstance(e, TokenEvent))
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    out = apply_penalties(
+        logits, prompt_ids=[4], output_ids=[0, 0, 2], presence=0.5, frequency=0.25, repetition=2.0
+    )
+    # Repetition first (positive / 2, negative * 2), then frequency * count and presence.
+    # token 0: seen twice in output -> 2 / 2 - 0.25 * 2 - 0.5 = 0.0
+    # token 2: once -> 0.5 / 2 - 0.25 - 0.5 = -0.5
+    # token 4: only in the prompt -> repetition only: -2 * 2 = -4
+    assert out.tolist() == [0.0, -1.0, -0.5, 3.0, -4.0]
