@@ -16,20 +16,37 @@ import torch.nn.functional as F
 from gapless.model.config import ModelConfig
 
 
+class Linear:
+    """y = x @ weight.T + bias.
+
+    On CPU the weight is repacked once into oneDNN's blocked layout: a decode step (a few
+    rows of x) then streams weights at about 25 GB/s instead of 15 with F.linear.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.bias = bias
+        self.out_features = weight.shape[0]
+        self.packed = weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        if self.packed:
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # q, k and v projections fused: one matmul instead of three
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear  # q, k and v projections fused: one matmul instead of three
+    o: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # gate and up projections fused
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear  # gate and up projections fused
+    down: Linear
 
 
 @dataclass
@@ -97,7 +114,7 @@ class Decoder:
         embed: torch.Tensor,
         layers: list[Layer],
         final_norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Linear,
     ) -> None:
         self.config = config
         self.embed = embed
@@ -124,7 +141,7 @@ class Decoder:
             self.layers, cfg.layer_windows, kv_cache, strict=True
         ):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(-1, cfg.num_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -136,12 +153,12 @@ class Decoder:
             k_cache.index_copy_(0, batch.write_slots, k)
             v_cache.index_copy_(0, batch.write_slots, v)
             attn = self._attention(q, k_cache, v_cache, batch.groups, window)
-            x = x + F.linear(attn, layer.o, layer.o_bias)
+            x = x + layer.o(attn)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         x = rms_norm(x[batch.logit_rows], self.final_norm, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
 
     def _attention(
         self,

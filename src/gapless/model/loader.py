@@ -10,7 +10,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from gapless.model.config import ModelConfig
-from gapless.model.decoder import Decoder, Layer
+from gapless.model.decoder import Decoder, Layer, Linear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -147,19 +147,21 @@ def load_decoder(
         layers.append(
             Layer(
                 input_norm=w.pop(p + "input_layernorm.weight"),
-                qkv=cat(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-                qkv_bias=cat(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
-                o=w.pop(attn + "o_proj.weight"),
-                o_bias=w.pop(attn + "o_proj.bias", None),
+                qkv=Linear(
+                    cat(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                    cat(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
+                ),
+                o=Linear(w.pop(attn + "o_proj.weight"), w.pop(attn + "o_proj.bias", None)),
                 q_norm=w.pop(attn + "q_norm.weight", None),
                 k_norm=w.pop(attn + "k_norm.weight", None),
                 post_norm=w.pop(p + "post_attention_layernorm.weight"),
-                gate_up=cat(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
-                gate_up_bias=cat(mlp + "gate_proj.bias", mlp + "up_proj.bias"),
-                down=w.pop(mlp + "down_proj.weight"),
-                down_bias=w.pop(mlp + "down_proj.bias", None),
+                gate_up=Linear(
+                    cat(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                    cat(mlp + "gate_proj.bias", mlp + "up_proj.bias"),
+                ),
+                down=Linear(w.pop(mlp + "down_proj.weight"), w.pop(mlp + "down_proj.bias", None)),
             )
         )
     embed = w.pop("model.embed_tokens.weight")
-    lm_head = embed if cfg.tie_word_embeddings else w.pop("lm_head.weight")
+    lm_head = Linear(embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
     return Decoder(cfg, embed, layers, w.pop("model.norm.weight"), lm_head)
