@@ -95,11 +95,17 @@ class ModelRunner:
         )
         return batch, row_counts
 
-    def _masks(self, query_pos: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor):
-        """Per window: True where a query may attend a key (causal, in window, not padding)."""
+    def _masks(
+        self, query_pos: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor
+    ) -> dict[int | None, torch.Tensor]:
+        """Per window: 0 where a query may attend a key (causal, in window, not padding),
+        -inf elsewhere."""
         delta = query_pos[..., :, None] - key_pos[..., None, :]
         causal = (delta >= 0) & valid
-        return {w: causal if w is None else causal & (delta < w) for w in self.windows}
+        allowed = {w: causal if w is None else causal & (delta < w) for w in self.windows}
+        # Additive float masks, built once per step: SDPA would convert a bool mask per layer.
+        zeros = torch.zeros(causal.shape, dtype=self.decoder.dtype, device=causal.device)
+        return {w: zeros.masked_fill(~m, float("-inf")) for w, m in allowed.items()}
 
     def _prefill_group(
         self, row: int, start: int, n: int, key_start: int, key_slots: list[int]

@@ -55,7 +55,7 @@ class AttentionGroup:
 
     query_rows: rows of the flat batch holding these sequences' new tokens, [B * n].
     key_slots: KV-cache slots each sequence attends to, padded, [B, L].
-    masks: per distinct layer window, a bool mask [B, 1, n, L] (True = attend), or None when a
+    masks: per distinct layer window, an additive mask [B, 1, n, L], or None when a
     plain causal mask over fresh keys is exact.
     """
 
