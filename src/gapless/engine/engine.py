@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from gapless.engine.cost_model import StepCostModel, step_features
 from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent
 from gapless.engine.metrics import EngineMetrics
 from gapless.engine.request import Request, RequestState
@@ -95,11 +96,12 @@ class Engine:
         self.whole_prefill = not config.chunked_prefill or not runner.supports_chunked_prefill
         if config.chunked_prefill and not runner.supports_chunked_prefill:
             log.warning("this model runner cannot prefill in chunks: prefilling every prompt whole")
+        self.cost_model: StepCostModel | None = None
         budget = None
         if config.target_itl_ms is not None:
-            from gapless.engine.cost_model import StepCostModel
-
-            self.cost_model = StepCostModel(config.target_itl_ms / 1000, config.prefill_chunk)
+            self.cost_model = StepCostModel(
+                config.target_itl_ms / 1000, config.prefill_chunk, config.idle_prefill_chunk
+            )
             budget = self.cost_model.prefill_budget
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -209,10 +211,14 @@ class Engine:
     def step(self) -> list[Event]:
         events: list[Event] = []
         self._take_incoming(events)
+        started = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return events
-        started = time.perf_counter()
+        features = step_features(
+            [c.request.num_computed + 1 for c in chunks if c.request.is_decoding],
+            [(c.num_tokens, c.request.num_computed) for c in chunks if not c.request.is_decoding],
+        )
         prompt_phase = [c.request.num_computed < len(c.request.prompt_ids) for c in chunks]
         all_logits = {
             i
@@ -250,8 +256,10 @@ class Engine:
             ):
                 self._append_token(events, req, token, info)
         self.num_steps += 1
-        self.last_step = (chunks, time.perf_counter() - started)
-        self.metrics.step_time.observe(self.last_step[1])
+        elapsed = time.perf_counter() - started
+        self.metrics.step_time.observe(elapsed)
+        if self.cost_model is not None:
+            self.cost_model.observe(features, elapsed)
         return events
 
     def _take_incoming(self, events: list[Event]) -> None:

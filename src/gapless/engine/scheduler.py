@@ -50,7 +50,7 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         pool: BlockPool,
-        prefill_budget: Callable[[list[Request]], int] | None = None,
+        prefill_budget: Callable[[list[int], int], int] | None = None,
     ) -> None:
         if config.prefill_policy not in ("fcfs", "shortest"):
             raise ValueError(
@@ -58,7 +58,8 @@ class Scheduler:
             )
         self.config = config
         self.pool = pool
-        # A latency target replaces the static chunk budget when decodes run.
+        # A latency target replaces the static chunk budget when decodes run. It is given the
+        # decodes' context lengths and where the first prompt chunk starts.
         self.prefill_budget = prefill_budget
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admitted: prefilling or decoding
@@ -79,17 +80,17 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         chunks = self._schedule_decodes()
-        decodes = [c.request for c in chunks]
-        if decodes:
-            budget = self.config.prefill_chunk
-            if self.prefill_budget is not None:
-                budget = self.prefill_budget(decodes)
-        else:
-            budget = self.config.idle_prefill_chunk
         now = time.monotonic()
         candidates = [r for r in self.running if r.state is RequestState.PREFILLING]
-        candidates += self.waiting
-        for request in sorted(candidates, key=lambda r: self._priority(r, now)):
+        candidates = sorted(candidates + self.waiting, key=lambda r: self._priority(r, now))
+        if not chunks:
+            budget = self.config.idle_prefill_chunk
+        elif self.prefill_budget is not None and candidates:
+            contexts = [c.request.num_computed + 1 for c in chunks]
+            budget = self.prefill_budget(contexts, candidates[0].num_computed)
+        else:
+            budget = self.config.prefill_chunk
+        for request in candidates:
             if budget <= 0:
                 break
             if request.state is RequestState.WAITING and not self._admit(request):

@@ -1,0 +1,78 @@
+"""An online model of step time, used to size prefill chunks for a latency target.
+
+A step's time is modelled as linear in four costs it is made of:
+    t = base + a * decodes + b * decode_context + c * prefill_tokens + d * prefill_attention
+where decode_context is the number of keys the decodes attend to, and prefill_attention is
+query-key pairs of the prompt chunks (tokens x context). The coefficients are refitted by
+least squares on recent steps, so the model follows the machine it runs on, its load and its
+thread count. With `--target-itl-ms X`, each step with decodes gets the largest prefill budget
+whose predicted step time stays under X.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+MIN_PREFILL_TOKENS = 16  # keep every prompt moving even when decodes alone use the target
+MIN_SAMPLES = 8
+WINDOW = 256
+
+
+def step_features(decode_contexts: list[int], prefill_chunks: list[tuple[int, int]]) -> list[float]:
+    """Features of a step: decode contexts, and (tokens, tokens already computed) per chunk."""
+    attention = sum(n * (start + n / 2) for n, start in prefill_chunks)
+    return [
+        1.0,
+        float(len(decode_contexts)),
+        float(sum(decode_contexts)),
+        float(sum(n for n, _ in prefill_chunks)),
+        float(attention),
+    ]
+
+
+class StepCostModel:
+    def __init__(self, target_s: float, fallback_chunk: int, max_chunk: int = 8192) -> None:
+        self.target_s = target_s
+        self.fallback_chunk = fallback_chunk  # used until enough steps have been seen
+        self.max_chunk = max_chunk
+        self._samples: deque[tuple[list[float], float]] = deque(maxlen=WINDOW)
+        self.coef: torch.Tensor | None = None
+        self._since_fit = 0
+
+    def observe(self, features: list[float], seconds: float) -> None:
+        self._samples.append((features, seconds))
+        self._since_fit += 1
+        if len(self._samples) >= MIN_SAMPLES and (self.coef is None or self._since_fit >= 16):
+            self._fit()
+
+    def _fit(self) -> None:
+        x = torch.tensor([f for f, _ in self._samples], dtype=torch.float64)
+        y = torch.tensor([t for _, t in self._samples], dtype=torch.float64)
+        # Scale columns so the tiny per-key and large per-step costs are fitted alike; a light
+        # ridge keeps unexcited columns (e.g. no prefill seen yet) from exploding.
+        scale = x.abs().amax(0).clamp(min=1e-9)
+        xs = x / scale
+        ridge = 1e-6 * torch.eye(xs.shape[1], dtype=torch.float64)
+        coef = torch.linalg.solve(xs.T @ xs + ridge, xs.T @ y) / scale
+        self.coef = coef.clamp(min=0)  # no cost is negative
+        self._since_fit = 0
+
+    def predict(self, features: list[float]) -> float:
+        assert self.coef is not None
+        return float(torch.tensor(features, dtype=torch.float64) @ self.coef)
+
+    def prefill_budget(self, decode_contexts: list[int], prefill_start: int) -> int:
+        """Prompt tokens this step can take, given its decodes and where the next chunk starts."""
+        if self.coef is None:
+            return self.fallback_chunk
+        lo, hi = 0, self.max_chunk
+        while lo < hi:  # largest n whose predicted step time meets the target
+            mid = (lo + hi + 1) // 2
+            t = self.predict(step_features(decode_contexts, [(mid, prefill_start)]))
+            if t <= self.target_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return max(lo, MIN_PREFILL_TOKENS)
