@@ -66,7 +66,9 @@ class LLM:
                         token_ids=tokens[rid],
                         text="".join(texts[rid]) + event.text,
                         finish_reason=event.finish_reason,
-                        logprobs=logprobs[rid] if requests[rid].params.logprobs is not None else None,
+                        logprobs=logprobs[rid]
+                        if requests[rid].params.logprobs is not None
+                        else None,
                         prompt_logprobs=event.prompt_logprobs,
                         cached_prompt_tokens=event.cached_prompt_tokens,
                     )
