@@ -1,0 +1,48 @@
+"""Shared fixtures: the test tokenizer and tiny checkpoints, built once per session."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Make tests/checkpoints.py importable as `checkpoints` from every test module.
+sys.path.insert(0, str(Path(__file__).parent))
+
+from checkpoints import make_checkpoint, write_test_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def test_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tokenizer.json + tokenizer_config.json of the shared ~512-token test tokenizer."""
+    return write_test_tokenizer(tmp_path_factory.mktemp("test-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: `checkpoint("qwen2", max_shard_size="60KB")` -> checkpoint directory.
+
+    Arguments are those of checkpoints.make_checkpoint; each distinct call is built once.
+    """
+    built: dict[str, Path] = {}
+
+    def get(arch: str, **kwargs: Any) -> Path:
+        key = json.dumps([arch, kwargs], sort_keys=True, default=str)
+        if key not in built:
+            out_dir = tmp_path_factory.mktemp(f"ckpt-{arch}")
+            built[key] = make_checkpoint(out_dir, arch, **kwargs)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The gapless-demo checkpoint, built in a temp cache so tests never touch the user's."""
+    from gapless.model.demo import ensure_demo_checkpoint
+
+    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo-cache"))
