@@ -87,11 +87,7 @@ class Engine:
                 # No point holding more than every running sequence at full context.
                 num_blocks = min(num_blocks, config.max_num_seqs * (-(-self.max_model_len // bs)))
             runner = ModelRunner(decoder, num_blocks, bs)
-            self.pool = BlockPool(num_blocks, bs)
-        else:
-            self.pool = BlockPool(
-                len(runner.kv_cache[0][0]) // runner.block_size, runner.block_size
-            )
+        self.pool = BlockPool(runner.num_blocks, runner.block_size)
         self.runner = runner
         self.whole_prefill = not config.chunked_prefill or not runner.supports_chunked_prefill
         if config.chunked_prefill and not runner.supports_chunked_prefill:

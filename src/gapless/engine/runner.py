@@ -16,11 +16,11 @@ class ModelRunner:
     def __init__(self, decoder: Decoder, num_blocks: int, block_size: int) -> None:
         cfg = decoder.config
         self.decoder = decoder
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)
         self.max_window = cfg.max_window
-        slots = num_blocks * block_size
-        shape = (slots, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: padded attention reads masked slots, and 0 * NaN would poison it.
         self.kv_cache = [
             (
@@ -49,22 +49,24 @@ class ModelRunner:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def _key_start(self, end_of_first_query: int) -> int:
-        """First key position any layer's window lets the chunk's first query see."""
+    def _key_start(self, first_query: int) -> int:
+        """First key position (block-aligned) that any layer's window lets the query see."""
         if self.max_window is None:
             return 0
-        return max(0, end_of_first_query - self.max_window)
+        first = max(0, first_query - self.max_window + 1)
+        return first - first % self.block_size
 
     def _build(
         self, chunks: list[ScheduledChunk], all_logits: set[int]
     ) -> tuple[BatchInput, list[int]]:
+        bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
         write_slots: list[int] = []
         logit_rows: list[int] = []
         row_counts: list[int] = []
         decode_rows: list[int] = []
-        decode_keys: list[tuple[int, int, list[int]]] = []  # (first key pos, query pos, slots)
+        decode_keys: list[tuple[int, int, list[int]]] = []  # (first key pos, query pos, blocks)
         groups: list[AttentionGroup] = []
         for i, chunk in enumerate(chunks):
             req, n = chunk.request, chunk.num_tokens
@@ -76,13 +78,13 @@ class ModelRunner:
             rows = list(range(row, row + n)) if i in all_logits else [row + n - 1]
             logit_rows += rows
             row_counts.append(len(rows))
-            key_start = self._key_start(start + 1)
-            key_slots = self._slots(req.block_table, key_start, start + n)
+            key_start = self._key_start(start)
+            blocks = req.block_table[key_start // bs : -(-(start + n) // bs)]
             if n == 1:
                 decode_rows.append(row)
-                decode_keys.append((key_start, start, key_slots))
+                decode_keys.append((key_start, start, blocks))
             else:
-                groups.append(self._prefill_group(row, start, n, key_start, key_slots))
+                groups.append(self._prefill_group(row, start, n, key_start, blocks))
         if decode_rows:
             groups.append(self._decode_group(decode_rows, decode_keys))
         dev = self.decoder.device
@@ -108,34 +110,33 @@ class ModelRunner:
         return {w: zeros.masked_fill(~m, float("-inf")) for w, m in allowed.items()}
 
     def _prefill_group(
-        self, row: int, start: int, n: int, key_start: int, key_slots: list[int]
+        self, row: int, start: int, n: int, key_start: int, blocks: list[int]
     ) -> AttentionGroup:
         dev = self.decoder.device
         query_rows = torch.arange(row, row + n, device=dev)
-        slots = torch.tensor(key_slots, device=dev)[None]
-        if start == 0 and all(w is None or w >= n for w in self.windows):
-            masks = dict.fromkeys(self.windows)  # fresh prompt: plain causal attention is exact
+        key_blocks = torch.tensor(blocks, device=dev)[None]
+        fresh = start == 0 and n % self.block_size == 0
+        if fresh and all(w is None or w >= n for w in self.windows):
+            masks = dict.fromkeys(self.windows)  # whole fresh blocks: plain causal is exact
         else:
             q_pos = torch.arange(start, start + n, device=dev)
-            k_pos = torch.arange(key_start, start + n, device=dev)
+            k_pos = torch.arange(key_start, key_start + len(blocks) * self.block_size, device=dev)
             masks = {
                 w: m[None, None] for w, m in self._masks(q_pos, k_pos, torch.tensor(True)).items()
             }
-        return AttentionGroup(query_rows, 1, n, slots, masks)
+        return AttentionGroup(query_rows, 1, n, key_blocks, masks)
 
     def _decode_group(
         self, rows: list[int], keys: list[tuple[int, int, list[int]]]
     ) -> AttentionGroup:
         dev = self.decoder.device
-        width = max(len(slots) for _, _, slots in keys)
-        # Padding points at slot 0 and is masked out.
-        padded = [slots + [0] * (width - len(slots)) for _, _, slots in keys]
-        lengths = torch.tensor([len(slots) for _, _, slots in keys], device=dev)
-        offsets = torch.arange(width, device=dev)
-        valid = offsets[None, :] < lengths[:, None]
+        width = max(len(blocks) for _, _, blocks in keys)
+        # Padding points at block 0 and is masked out, as are positions past the query.
+        padded = [blocks + [0] * (width - len(blocks)) for _, _, blocks in keys]
+        offsets = torch.arange(width * self.block_size, device=dev)
         k_pos = torch.tensor([k0 for k0, _, _ in keys], device=dev)[:, None] + offsets[None, :]
         q_pos = torch.tensor([q for _, q, _ in keys], device=dev)[:, None]
-        masks = {w: m[:, None] for w, m in self._masks(q_pos, k_pos, valid[:, None, :]).items()}
+        masks = {w: m[:, None] for w, m in self._masks(q_pos, k_pos, torch.tensor(True)).items()}
         return AttentionGroup(
             torch.tensor(rows, device=dev), len(rows), 1, torch.tensor(padded, device=dev), masks
         )

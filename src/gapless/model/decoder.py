@@ -54,15 +54,16 @@ class AttentionGroup:
     """Sequences whose attention runs as one SDPA call.
 
     query_rows: rows of the flat batch holding these sequences' new tokens, [B * n].
-    key_slots: KV-cache slots each sequence attends to, padded, [B, L].
-    masks: per distinct layer window, an additive mask [B, 1, n, L], or None when a
-    plain causal mask over fresh keys is exact.
+    key_blocks: KV-cache blocks each sequence attends to, padded, [B, nb]: whole blocks are
+    gathered (one index per block, not per token), and masks drop what is not attended.
+    masks: per distinct layer window, an additive mask [B, 1, n, nb * block_size], or None
+    when a plain causal mask over fresh keys is exact.
     """
 
     query_rows: torch.Tensor
     num_seqs: int
     num_queries: int  # per sequence
-    key_slots: torch.Tensor
+    key_blocks: torch.Tensor
     masks: dict[int | None, torch.Tensor | None]
 
 
@@ -150,8 +151,8 @@ class Decoder:
                 q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            k_cache.index_copy_(0, batch.write_slots, k)
-            v_cache.index_copy_(0, batch.write_slots, v)
+            k_cache.flatten(0, 1).index_copy_(0, batch.write_slots, k)
+            v_cache.flatten(0, 1).index_copy_(0, batch.write_slots, v)
             attn = self._attention(q, k_cache, v_cache, batch.groups, window)
             x = x + layer.o(attn)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
@@ -174,8 +175,8 @@ class Decoder:
             b, n = g.num_seqs, g.num_queries
             # [B, H, n, D] queries against [B, Hkv, L, D] keys gathered from the paged cache.
             gq = q[g.query_rows].view(b, n, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-            gk = k_cache[g.key_slots].transpose(1, 2)
-            gv = v_cache[g.key_slots].transpose(1, 2)
+            gk = k_cache[g.key_blocks].flatten(1, 2).transpose(1, 2)
+            gv = v_cache[g.key_blocks].flatten(1, 2).transpose(1, 2)
             mask = g.masks[window]
             o = F.scaled_dot_product_attention(
                 gq, gk, gv, attn_mask=mask, is_causal=mask is None, enable_gqa=True
