@@ -78,11 +78,16 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            steps = self.engine.num_steps
             try:
                 events = self.engine.step()
             except Exception:  # keep serving: the engine fails requests, not itself
                 log.exception("engine step failed")
                 continue
+            if not events and self.engine.num_steps == steps:
+                # Work is queued but nothing could run (e.g. the sequence cap): don't spin.
+                self._wake.wait(timeout=0.01)
+                self._wake.clear()
             for event in events:
                 target = self._streams.get(event.request_id)
                 if target is None:
