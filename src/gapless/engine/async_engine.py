@@ -81,9 +81,9 @@ class AsyncEngine:
             steps = self.engine.num_steps
             try:
                 events = self.engine.step()
-            except Exception:  # keep serving: the engine fails requests, not itself
+            except Exception as exc:  # an engine bug: fail what is in flight, keep serving
                 log.exception("engine step failed")
-                continue
+                events = self.engine.fail_all(f"{type(exc).__name__}: {exc}")
             if not events and self.engine.num_steps == steps:
                 # Work is queued but nothing could run (e.g. the sequence cap): don't spin.
                 self._wake.wait(timeout=0.01)

@@ -258,6 +258,14 @@ class Engine:
             self.cost_model.observe(features, elapsed)
         return events
 
+    def fail_all(self, error: str) -> list[Event]:
+        """Ends every live request with an error, releasing its KV; the engine stays usable."""
+        events: list[Event] = []
+        self._take_incoming(events)
+        for req in list(self._requests.values()):
+            self._finish(events, req, "error", error)
+        return events
+
     def _take_incoming(self, events: list[Event]) -> None:
         with self._lock:
             while self._incoming:
