@@ -14,6 +14,7 @@ from gapless.bench.client import RequestRecord, run_requests
 from gapless.bench.compare import ServerError, ServerProcess, parse_configs
 from gapless.bench.metrics import compute_metrics, parse_slo
 from gapless.bench.report import format_table, plot_itl_cdf, plot_timeline
+from gapless.bench.roofline import add_roofline_parser
 from gapless.bench.workloads import WORKLOADS, BenchRequest, WorkloadSpec, build_workload
 
 DEFAULT_VOCAB = 32000
@@ -83,12 +84,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--request-timeout", type=float, default=600.0)
     p.set_defaults(func=bench_main)
 
-    sub = p.add_subparsers(dest="bench_command", metavar="make-model")
+    sub = p.add_subparsers(dest="bench_command", metavar="{make-model,roofline}")
     mm = sub.add_parser("make-model", help="write a seeded random-weight Qwen2 checkpoint")
     mm.add_argument("out_dir", type=Path)
     mm.add_argument("--preset", choices=("qwen2.5-0.5b", "tiny"), default="qwen2.5-0.5b")
     mm.add_argument("--seed", type=int, default=0)
     mm.set_defaults(func=make_model_main)
+    add_roofline_parser(sub)
 
 
 def make_model_main(args: argparse.Namespace) -> int:
