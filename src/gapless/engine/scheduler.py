@@ -111,8 +111,7 @@ class Scheduler:
         if self.config.prefill_policy == "fcfs":
             return (0.0, request.arrival_time)
         waited = now - request.arrival_time
-        remaining = request.num_uncomputed if request.num_computed else request.num_tokens
-        return (remaining - AGING_TOKENS_PER_SECOND * waited, request.arrival_time)
+        return (request.num_uncomputed - AGING_TOKENS_PER_SECOND * waited, request.arrival_time)
 
     def _schedule_decodes(self) -> list[ScheduledChunk]:
         chunks = []
