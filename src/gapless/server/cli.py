@@ -1,0 +1,173 @@
+"""`gapless serve [MODEL_DIR]`: load a checkpoint and serve it over the OpenAI API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("gapless.server")
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# As gapless.model.loader.DTYPES; not imported so that `gapless --help` needs no torch.
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description=__doc__,
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL_DIR",
+        help="Hugging Face checkpoint directory (default: the built-in random-weight demo model)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="%(default)s; 0 picks a free port")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="auto: bfloat16 on CUDA and bf16-capable CPUs, else float32",
+    )
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        help="prompt tokens per step while other requests decode (%(default)s)",
+    )
+    p.add_argument(
+        "--idle-prefill-chunk",
+        type=int,
+        default=4096,
+        help="prompt tokens per step while nobody decodes (%(default)s)",
+    )
+    p.add_argument(
+        "--no-chunked-prefill",
+        dest="chunked_prefill",
+        action="store_false",
+        help="prefill each prompt whole in one step (the stalling baseline)",
+    )
+    p.add_argument(
+        "--prefill-policy",
+        choices=["shortest", "fcfs"],
+        default="shortest",
+        help="which prompt prefills first (%(default)s)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=64, help="requests in the batch at once (%(default)s)"
+    )
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-tokens", type=int, metavar="N", help="KV cache size in tokens")
+    kv.add_argument(
+        "--kv-memory",
+        type=float,
+        default=2.0,
+        metavar="GIB",
+        help="KV cache size in GiB (%(default)s)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, help="context length (default: the model's maximum)"
+    )
+    p.add_argument(
+        "--served-model-name",
+        help="the model name clients use (default: the checkpoint directory's name)",
+    )
+    p.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on /v1 (default: $GAPLESS_API_KEY if set)",
+    )
+    p.add_argument(
+        "--max-queue", type=int, help="waiting requests beyond this get 503 (default: no limit)"
+    )
+    p.add_argument(
+        "--target-itl-ms",
+        type=float,
+        help="size prefill chunks so decode steps stay under this inter-token latency",
+    )
+    p.add_argument("--threads", type=int, help="CPU threads for torch")
+    p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=16.0,
+        help="request body size limit in MiB (%(default)s)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, time in-flight requests get to finish before they are cancelled "
+        "(%(default)s)",
+    )
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(%(default)s)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serves until SIGTERM/SIGINT; returns the exit status."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s"
+    )
+    from gapless.engine.engine import Engine, EngineConfig
+    from gapless.model.demo import DEMO_MODEL_NAME, ensure_demo_checkpoint
+    from gapless.server.app import GaplessServer, ServerSettings
+
+    if args.model is None:
+        model_dir = ensure_demo_checkpoint()
+        name = args.served_model_name or DEMO_MODEL_NAME
+        log.warning(
+            "no MODEL_DIR given: serving %r, a DEMO model with RANDOM weights (its output is "
+            "gibberish) until a trained demo model ships. Pass a checkpoint directory to serve "
+            "a real model.",
+            name,
+        )
+    else:
+        model_dir = Path(args.model)
+        if not model_dir.is_dir():
+            log.error("%s is not a directory", model_dir)
+            return 2
+        name = args.served_model_name or model_dir.resolve().name
+
+    config = EngineConfig(
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_memory_gib=args.kv_memory,
+        max_num_seqs=args.max_num_seqs,
+        prefill_chunk=args.prefill_chunk,
+        idle_prefill_chunk=args.idle_prefill_chunk,
+        chunked_prefill=args.chunked_prefill,
+        prefill_policy=args.prefill_policy,
+        max_model_len=args.max_model_len,
+        target_itl_ms=args.target_itl_ms,
+        max_queue=args.max_queue,
+        num_threads=args.threads,
+    )
+    try:
+        engine = Engine.from_pretrained(model_dir, config)
+    except (OSError, ValueError) as e:
+        log.error("cannot load %s: %s", model_dir, e)
+        return 2
+    settings = ServerSettings(
+        served_model_name=name,
+        api_key=args.api_key or os.environ.get("GAPLESS_API_KEY") or None,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        shutdown_grace_s=args.shutdown_grace,
+    )
+    log.info(
+        "serving %r from %s: context %d tokens, %d KV blocks of %d tokens",
+        name,
+        model_dir,
+        engine.max_model_len,
+        engine.pool.num_blocks,
+        engine.pool.block_size,
+    )
+    server = GaplessServer(engine, settings, args.host, args.port, args.log_level)
+    return server.run()

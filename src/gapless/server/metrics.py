@@ -1,0 +1,59 @@
+"""Prometheus text exposition of the engine's gauges, counters and latency histograms."""
+
+from __future__ import annotations
+
+from gapless.engine.engine import Engine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "gapless_"
+
+_HELP = {
+    "requests_running": "Requests admitted to the batch (prefilling or decoding).",
+    "requests_waiting": "Requests queued for admission.",
+    "requests_prefilling": "Admitted requests whose prompt is not fully computed yet.",
+    "kv_blocks_used": "KV cache blocks referenced by live requests.",
+    "kv_blocks_cached": "Unreferenced KV blocks holding a reusable prompt prefix (evictable).",
+    "kv_blocks_free": "KV cache blocks holding nothing.",
+    "kv_blocks_total": "KV cache blocks in the pool.",
+    "prefix_cache_hit_tokens_total": "Prompt tokens served from the prefix cache.",
+    "prefix_cache_queried_tokens_total": "Prompt tokens looked up in the prefix cache.",
+}
+
+
+def _scalar(lines: list[str], name: str, kind: str, help_text: str, value: int | float) -> None:
+    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+
+
+def render_metrics(engine: Engine) -> str:
+    """All metrics as Prometheus text.
+
+    Runs on the event-loop thread while the engine thread steps: the values are plain ints
+    read without a lock, so a scrape may mix two adjacent steps, which is fine for monitoring.
+    """
+    lines: list[str] = []
+    for key, value in engine.stats().items():
+        # Anything the engine adds to stats() shows up without a change here.
+        kind = "counter" if key.endswith("_total") else "gauge"
+        _scalar(lines, PREFIX + key, kind, _HELP.get(key, key.replace("_", " ") + "."), value)
+    metrics = engine.metrics
+    _scalar(
+        lines,
+        PREFIX + "generation_tokens_total",
+        "counter",
+        "Output tokens generated.",
+        metrics.generation_tokens,
+    )
+    name = PREFIX + "requests_finished_total"
+    lines += [f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter"]
+    for reason, count in sorted(dict(metrics.requests_finished).items()):
+        lines.append(f'{name}{{finish_reason="{reason}"}} {count}')
+    lines += metrics.time_to_first_token.render(
+        PREFIX + "time_to_first_token_seconds", "Time from arrival to the first output token."
+    )
+    lines += metrics.inter_token_latency.render(
+        PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens."
+    )
+    lines += metrics.step_time.render(
+        PREFIX + "step_time_seconds", "Wall time of one engine step (one forward pass)."
+    )
+    return "\n".join(lines) + "\n"
