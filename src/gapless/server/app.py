@@ -9,7 +9,7 @@ import json
 import logging
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -255,10 +255,11 @@ class _CompletionRenderer(_Renderer):
 # -- response bodies ------------------------------------------------------------------------
 
 
-async def _first_event(events: AsyncIterator[Event], prompt_param: str) -> Event:
-    """The first event; the engine's admission errors surface here, before any byte is sent."""
+@contextlib.contextmanager
+def _admission_errors(prompt_param: str) -> Iterator[None]:
+    """The engine's refusals of a new request as API errors."""
     try:
-        return await anext(events)
+        yield
     except QueueFull as e:
         raise APIError(
             503,
@@ -270,6 +271,13 @@ async def _first_event(events: AsyncIterator[Event], prompt_param: str) -> Event
     except RequestError as e:
         param = prompt_param if e.param == "prompt" else e.param
         raise protocol.invalid(str(e), param, e.code) from e
+
+
+async def _first_event(events: AsyncIterator[Event], prompt_param: str) -> Event:
+    """The first event: AsyncEngine.stream adds the request on the first step of its
+    iteration, so admission errors surface here, before any byte is sent."""
+    with _admission_errors(prompt_param):
+        return await anext(events)
 
 
 def _error_chunk(message: str) -> bytes:
@@ -484,8 +492,10 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Any:
     )
     request_id = uuid.uuid4().hex
     renderer = (_ChatRenderer if chat else _CompletionRenderer)(state, parsed, request_id)
-    events = state.async_engine.stream(parsed.prompt_ids, parsed.params, request_id)
     prompt_param = "messages" if chat else "prompt"
+    # Also here, in case stream() ever adds the request eagerly.
+    with _admission_errors(prompt_param):
+        events = state.async_engine.stream(parsed.prompt_ids, parsed.params, request_id)
     make_body = _sse_body if parsed.stream else _json_body
     return EngineResponse(
         state, request_id, make_body(renderer, events, prompt_param), parsed.stream
