@@ -505,7 +505,7 @@ def test_failure_inside_one_request(
             raise RuntimeError("injected forward failure")
 
         monkeypatch.setattr(server.engine.runner, "execute", broken_forward)
-        body: dict[str, Any] = {"prompt": "fail me", "max_tokens": 5}
+        body: dict[str, Any] = {"prompt": "fail me", "max_tokens": 5, "ignore_eos": True}
     else:
 
         def broken_token_text(token_id: int) -> str:

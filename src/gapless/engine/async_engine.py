@@ -32,16 +32,16 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join()
 
-    async def stream(
+    def stream(
         self,
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
     ) -> AsyncIterator[Event]:
-        """Adds a request and yields its events until FinishedEvent.
+        """Adds a request now and returns its events, ending with FinishedEvent.
 
-        Raises RequestError / QueueFull before anything is yielded. If the consumer stops
-        early (a client disconnect), the request is cancelled.
+        Raises RequestError / QueueFull at once. If the consumer stops iterating early (a
+        client disconnect), the request is cancelled.
         """
         queue: asyncio.Queue[Event] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -54,6 +54,9 @@ class AsyncEngine:
             del self._streams[request_id]
             raise
         self._wake.set()
+        return self._events(request_id, queue)
+
+    async def _events(self, request_id: str, queue: asyncio.Queue[Event]) -> AsyncIterator[Event]:
         finished = False
         try:
             while True:

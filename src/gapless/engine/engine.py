@@ -88,6 +88,11 @@ class Engine:
                 num_blocks = min(num_blocks, config.max_num_seqs * (-(-self.max_model_len // bs)))
             runner = ModelRunner(decoder, num_blocks, bs)
         self.pool = BlockPool(runner.num_blocks, runner.block_size)
+        if mcfg.max_window is None:
+            # A sequence longer than the pool could be preempted and never fit again.
+            self.max_model_len = min(
+                self.max_model_len, self.pool.num_blocks * self.pool.block_size
+            )
         self.runner = runner
         self.whole_prefill = not config.chunked_prefill or not runner.supports_chunked_prefill
         if config.chunked_prefill and not runner.supports_chunked_prefill:
@@ -188,13 +193,6 @@ class Engine:
         vocab = self.decoder.config.vocab_size
         if not all(0 <= t < vocab for t in ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        capacity = self.pool.num_blocks * self.pool.block_size
-        if self.decoder.config.max_window is None and len(ids) + 1 > capacity:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens, but the KV cache holds {capacity}",
-                "prompt",
-                "context_length_exceeded",
-            )
 
     @property
     def has_work(self) -> bool:
@@ -306,17 +304,21 @@ class Engine:
         finish = None
         past_min = len(req.output_ids) >= p.min_tokens
         if past_min and (token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)):
-            text, finish = "", "stop"
+            finish, text = "stop", ""
         else:
             text = req.detokenizer.add([token])
-            if req.stop_filter is not None:
-                text = req.stop_filter.feed(text)
-                if req.stop_filter.stopped:
-                    finish = "stop"
         if finish is None and (
             len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len
         ):
             finish = "length"
+        if finish is not None:
+            text += req.detokenizer.flush()  # the last token carries all remaining text
+        if req.stop_filter is not None:
+            text = req.stop_filter.feed(text)
+            if req.stop_filter.stopped:
+                finish = "stop"
+            elif finish is not None:
+                text += req.stop_filter.flush()
         req.text += text
         self._emit(events, req, TokenEvent(req.request_id, [token], text, [info] if info else None))
         if finish is not None:
@@ -325,12 +327,6 @@ class Engine:
     def _finish(
         self, events: list[Event], req: Request, reason: str, error: str | None = None
     ) -> None:
-        tail = ""
-        if reason == "length":
-            tail = req.detokenizer.flush()
-            if req.stop_filter is not None:
-                tail = req.stop_filter.feed(tail) + req.stop_filter.flush()
-        req.text += tail
         self.scheduler.remove(req)
         req.state = RequestState.FINISHED
         req.finish_time = time.monotonic()
@@ -347,7 +343,6 @@ class Engine:
                 reason,
                 prompt_tokens=len(req.prompt_ids),
                 completion_tokens=len(req.output_ids),
-                text=tail,
                 cached_prompt_tokens=req.cached_prompt_tokens,
                 prompt_logprobs=req.prompt_logprobs
                 if req.params.prompt_logprobs is not None
@@ -386,6 +381,7 @@ class Engine:
             "kv_blocks_total": self.pool.num_blocks,
             "prefix_cache_hit_tokens_total": self.scheduler.prefix_hit_tokens,
             "prefix_cache_queried_tokens_total": self.scheduler.prefix_queried_tokens,
+            "preemptions_total": self.scheduler.preemptions,
         }
 
 

@@ -19,7 +19,11 @@ class ProgressEvent:
 
 @dataclass
 class TokenEvent:
-    """New output tokens and the text they completed (stop-string look-ahead may hold text back)."""
+    """New output tokens and the text they completed.
+
+    Text can lag its token (half a UTF-8 character, or a possible stop string is held back);
+    a request's last TokenEvent carries all remaining text.
+    """
 
     request_id: str
     token_ids: list[int]
@@ -35,7 +39,6 @@ class FinishedEvent:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
-    text: str = ""  # text flushed at the end (held-back stop-string look-ahead)
     cached_prompt_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None

@@ -64,7 +64,7 @@ class LLM:
                         request_id=rid,
                         prompt_token_ids=requests[rid].prompt_ids,
                         token_ids=tokens[rid],
-                        text="".join(texts[rid]) + event.text,
+                        text="".join(texts[rid]),
                         finish_reason=event.finish_reason,
                         logprobs=logprobs[rid]
                         if requests[rid].params.logprobs is not None

@@ -62,9 +62,5 @@ class EngineMetrics:
         self.time_to_first_token = Histogram(_LATENCY_BUCKETS)
         self.inter_token_latency = Histogram(_LATENCY_BUCKETS)
         self.step_time = Histogram(_LATENCY_BUCKETS)
-        self.prefix_cache_hit_tokens = 0
-        self.prefix_cache_queried_tokens = 0
-        self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self.requests_finished: dict[str, int] = {}
-        self.preemptions = 0

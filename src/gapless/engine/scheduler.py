@@ -66,6 +66,7 @@ class Scheduler:
         self._admissions = 0
         self.prefix_hit_tokens = 0
         self.prefix_queried_tokens = 0
+        self.preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -134,6 +135,7 @@ class Scheduler:
         request.state = RequestState.WAITING
         request.num_computed = 0
         request.preemptions += 1
+        self.preemptions += 1
         self.waiting.insert(0, request)
 
     def _admit(self, request: Request) -> bool:

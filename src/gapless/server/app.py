@@ -168,16 +168,15 @@ class _ChatRenderer(_Renderer):
         }
 
     def final_choice(self, finished: FinishedEvent) -> dict[str, Any]:
-        delta = {"content": finished.text} if finished.text else {}
         return {
             "index": 0,
-            "delta": delta,
+            "delta": {},
             "logprobs": None,
             "finish_reason": finished.finish_reason,
         }
 
     def response(self, finished: FinishedEvent) -> dict[str, Any]:
-        message = {"role": "assistant", "content": "".join(self.text) + finished.text}
+        message = {"role": "assistant", "content": "".join(self.text)}
         choice = {
             "index": 0,
             "message": message,
@@ -223,14 +222,14 @@ class _CompletionRenderer(_Renderer):
     def final_choice(self, finished: FinishedEvent) -> dict[str, Any]:
         return {
             "index": 0,
-            "text": finished.text,
+            "text": "",
             "logprobs": None,
             "finish_reason": finished.finish_reason,
         }
 
     def response(self, finished: FinishedEvent) -> dict[str, Any]:
         p = self.parsed
-        text = "".join(self.text) + finished.text
+        text = "".join(self.text)
         logprobs = None
         if p.logprobs is not None and p.echo:
             prompt = protocol.completion_logprobs(
