@@ -238,6 +238,16 @@ def _is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in _REQUIRED_FILES)
 
 
+def shipped_demo_checkpoint() -> Path | None:
+    """The trained demo checkpoint packaged with gapless, or None if this install lacks it.
+
+    It is made by scripts/train_demo_model.py (see docs/demo-model.md); until it ships, callers
+    fall back to the random-weight `ensure_demo_checkpoint()`.
+    """
+    path = Path(__file__).resolve().parent.parent / "demo_model"
+    return path if _is_complete(path) else None
+
+
 def ensure_demo_checkpoint(cache_dir: Path | None = None) -> Path:
     """Return the demo checkpoint's directory, building it on first use (a few seconds)."""
     if cache_dir is None:
