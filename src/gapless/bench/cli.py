@@ -105,6 +105,14 @@ def make_model_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _served_vocab(model_dir: Path) -> int:
+    """Ids a server accepts: the model's embedding rows may outnumber the tokenizer's ids."""
+    from gapless.model.tokenizer import Tokenizer
+
+    config_vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    return min(config_vocab, Tokenizer.from_pretrained(model_dir).vocab_size)
+
+
 def _spec(args: argparse.Namespace, vocab: int) -> WorkloadSpec:
     return WorkloadSpec(
         name=args.workload,
@@ -148,10 +156,7 @@ def bench_main(args: argparse.Namespace) -> int:
             return 2
         configs = parse_configs(args.compare)
         model = args.model or args.model_dir.resolve().name
-        vocab = (
-            args.vocab_size
-            or json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
-        )
+        vocab = args.vocab_size or _served_vocab(args.model_dir)
     else:
         if not args.url or not args.model:
             print("error: give --url and --model, or --compare with --model-dir", file=sys.stderr)
