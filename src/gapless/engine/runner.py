@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import ctypes
+import sys
+
 import torch
 
 from gapless.engine.scheduler import ScheduledChunk
 from gapless.model.decoder import AttentionGroup, BatchInput, Decoder
+
+
+def keep_freed_memory_mapped() -> None:
+    """Stops glibc from returning large freed blocks to the OS.
+
+    Otherwise every big activation of a long prompt chunk is a fresh mmap that page-faults
+    on first touch: elementwise ops on a 4096-token chunk ran ~3x slower here.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, (1 << 31) - 1)
 
 
 class ModelRunner:
@@ -16,6 +36,8 @@ class ModelRunner:
     def __init__(self, decoder: Decoder, num_blocks: int, block_size: int) -> None:
         cfg = decoder.config
         self.decoder = decoder
+        if decoder.device.type == "cpu":
+            keep_freed_memory_mapped()
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)
