@@ -24,7 +24,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "model",
         nargs="?",
         metavar="MODEL_DIR",
-        help="Hugging Face checkpoint directory (default: the built-in random-weight demo model)",
+        help="Hugging Face checkpoint directory (default: the built-in demo model)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
     p.add_argument("--port", type=int, default=8000, help="%(default)s; 0 picks a free port")
@@ -116,18 +116,30 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s"
     )
     from gapless.engine.engine import Engine, EngineConfig
-    from gapless.model.demo import DEMO_MODEL_NAME, ensure_demo_checkpoint
+    from gapless.model.demo import (
+        DEMO_MODEL_NAME,
+        ensure_demo_checkpoint,
+        shipped_demo_checkpoint,
+    )
     from gapless.server.app import GaplessServer, ServerSettings
 
     if args.model is None:
-        model_dir = ensure_demo_checkpoint()
         name = args.served_model_name or DEMO_MODEL_NAME
-        log.warning(
-            "no MODEL_DIR given: serving %r, a DEMO model with RANDOM weights (its output is "
-            "gibberish) until a trained demo model ships. Pass a checkpoint directory to serve "
-            "a real model.",
-            name,
-        )
+        model_dir = shipped_demo_checkpoint()
+        if model_dir is not None:
+            log.info(
+                "no MODEL_DIR given: serving %r, gapless' small demo model trained on Python's "
+                "standard library (it continues Python code; see docs/demo-model.md)",
+                name,
+            )
+        else:
+            model_dir = ensure_demo_checkpoint()
+            log.warning(
+                "no MODEL_DIR given, and this install has no trained demo model: serving %r "
+                "with RANDOM weights (its output is gibberish). Pass a checkpoint directory to "
+                "serve a real model.",
+                name,
+            )
     else:
         model_dir = Path(args.model)
         if not model_dir.is_dir():
