@@ -97,22 +97,21 @@ def _float(body: dict[str, Any], name: str) -> float | None:
     return float(value)
 
 
-def _bool(body: dict[str, Any], name: str) -> bool | None:
+def _exact(body: dict[str, Any], name: str, kind: type, label: str) -> Any:
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, bool):
-        raise invalid(f"{name} must be a boolean, got {value!r}", name)
+    if not isinstance(value, kind):
+        raise invalid(f"{name} must be {label}, got {value!r}", name)
     return value
+
+
+def _bool(body: dict[str, Any], name: str) -> bool | None:
+    return _exact(body, name, bool, "a boolean")
 
 
 def _str(body: dict[str, Any], name: str) -> str | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise invalid(f"{name} must be a string, got {value!r}", name)
-    return value
+    return _exact(body, name, str, "a string")
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
