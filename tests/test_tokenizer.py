@@ -458,3 +458,12 @@ def test_demo_checkpoint(demo_checkpoint: Path) -> None:
     mtime = (demo_checkpoint / "model.safetensors").stat().st_mtime_ns
     assert ensure_demo_checkpoint(demo_checkpoint.parent) == demo_checkpoint
     assert (demo_checkpoint / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_token_bytes_concatenate_to_the_utf8_of_the_text(test_tokenizer_dir):
+    tok = Tokenizer.from_pretrained(test_tokenizer_dir)
+    text = "def f(x): return '今日は 😀 ß'"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    # Some token is a fragment of a character: its bytes are not valid UTF-8 on their own.
+    assert any(tok.token_text(i) == "\ufffd" for i in ids)

@@ -31,7 +31,7 @@ _SPECIAL_TOKEN_NAMES = (
     "cls_token",
     "mask_token",
 )
-_BYTE_FALLBACK_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -105,6 +105,19 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise ValueError(f"invalid chat template: {e}") from e
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE writes each byte as a printable character: printable Latin-1 bytes as
+    themselves, the rest as code points from 256 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table |= {chr(256 + i): b for i, b in enumerate(shifted)}
+    return table
+
+
+_BYTE_LEVEL_DECODE = _byte_level_alphabet()
+
+
 def _contains_decoder(spec: Any, kind: str) -> bool:
     if isinstance(spec, dict):
         return spec.get("type") == kind or any(_contains_decoder(v, kind) for v in spec.values())
@@ -176,6 +189,7 @@ class Tokenizer:
                 for piece, i in backend.get_vocab(with_added_tokens=False).items()
                 if _BYTE_FALLBACK_PIECE.fullmatch(piece)
             )
+        self._byte_level = _contains_decoder(decoder_spec, "ByteLevel")
         self._anchor = self._find_anchor()
 
     @classmethod
@@ -268,6 +282,17 @@ class Tokenizer:
         anchor_id, anchor_text = self._anchor
         text = self._backend.decode([anchor_id, token_id], skip_special_tokens=False)
         return text[len(anchor_text) :] if text.startswith(anchor_text) else text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes one token contributes, also when they are part of a character."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None or token_id in self.special_ids:
+            return self.token_text(token_id).encode()
+        if byte := _BYTE_FALLBACK_PIECE.fullmatch(piece):
+            return bytes([int(byte.group(1), 16)])
+        if self._byte_level:
+            return bytes(_BYTE_LEVEL_DECODE.get(c, 0) for c in piece)
+        return self.token_text(token_id).encode()
 
     def apply_chat_template(
         self,

@@ -362,7 +362,11 @@ def chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprob]) -> dict[str
 
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         text = tokenizer.token_text(token_id)
-        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode("utf-8"))}
+        return {
+            "token": text,
+            "logprob": _lp(logprob),
+            "bytes": list(tokenizer.token_bytes(token_id)),
+        }
 
     content = []
     for token_id, logprob, alternatives in entries:
