@@ -63,9 +63,16 @@ class ModelRunner:
         Returns for each chunk the logits of its last token, or of every token when its index
         is in all_logits (prompt logprobs).
         """
-        batch, row_counts = self._build(chunks, all_logits)
-        logits = self.decoder.forward(batch, self.kv_cache)
-        return list(logits.split(row_counts))
+        # Decodes go first so that they form one contiguous block of rows: one attention call.
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_tokens != 1)
+        batch, row_counts = self._build(
+            [chunks[i] for i in order], [i in all_logits for i in order]
+        )
+        logits = self.decoder.forward(batch, self.kv_cache).split(row_counts)
+        by_chunk: list[torch.Tensor] = [logits[0]] * len(chunks)
+        for position, i in enumerate(order):
+            by_chunk[i] = logits[position]
+        return by_chunk
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -79,7 +86,7 @@ class ModelRunner:
         return first - first % self.block_size
 
     def _build(
-        self, chunks: list[ScheduledChunk], all_logits: set[int]
+        self, chunks: list[ScheduledChunk], all_logits: list[bool]
     ) -> tuple[BatchInput, list[int]]:
         bs = self.block_size
         token_ids: list[int] = []
@@ -87,28 +94,26 @@ class ModelRunner:
         write_slots: list[int] = []
         logit_rows: list[int] = []
         row_counts: list[int] = []
-        decode_rows: list[int] = []
         decode_keys: list[tuple[int, int, list[int]]] = []  # (first key pos, query pos, blocks)
         groups: list[AttentionGroup] = []
-        for i, chunk in enumerate(chunks):
+        for chunk, every_row in zip(chunks, all_logits, strict=True):
             req, n = chunk.request, chunk.num_tokens
             start = req.num_computed
             row = len(token_ids)
             token_ids += req.tokens(start, start + n)
             positions += range(start, start + n)
             write_slots += self._slots(req.block_table, start, start + n)
-            rows = list(range(row, row + n)) if i in all_logits else [row + n - 1]
+            rows = list(range(row, row + n)) if every_row else [row + n - 1]
             logit_rows += rows
             row_counts.append(len(rows))
             key_start = self._key_start(start)
             blocks = req.block_table[key_start // bs : -(-(start + n) // bs)]
             if n == 1:
-                decode_rows.append(row)
                 decode_keys.append((key_start, start, blocks))
             else:
                 groups.append(self._prefill_group(row, start, n, key_start, blocks))
-        if decode_rows:
-            groups.append(self._decode_group(decode_rows, decode_keys))
+        if decode_keys:
+            groups.insert(0, self._decode_group(decode_keys))
         dev = self.decoder.device
         batch = BatchInput(
             token_ids=torch.tensor(token_ids, device=dev),
@@ -135,7 +140,6 @@ class ModelRunner:
         self, row: int, start: int, n: int, key_start: int, blocks: list[int]
     ) -> AttentionGroup:
         dev = self.decoder.device
-        query_rows = torch.arange(row, row + n, device=dev)
         key_blocks = torch.tensor(blocks, device=dev)[None]
         fresh = start == 0 and n % self.block_size == 0
         if fresh and all(w is None or w >= n for w in self.windows):
@@ -146,11 +150,10 @@ class ModelRunner:
             masks = {
                 w: m[None, None] for w, m in self._masks(q_pos, k_pos, torch.tensor(True)).items()
             }
-        return AttentionGroup(query_rows, 1, n, key_blocks, masks)
+        return AttentionGroup(slice(row, row + n), 1, n, key_blocks, masks)
 
-    def _decode_group(
-        self, rows: list[int], keys: list[tuple[int, int, list[int]]]
-    ) -> AttentionGroup:
+    def _decode_group(self, keys: list[tuple[int, int, list[int]]]) -> AttentionGroup:
+        """The decodes, which come first in the batch: rows 0 .. len(keys) - 1."""
         dev = self.decoder.device
         width = max(len(blocks) for _, _, blocks in keys)
         # Padding points at block 0 and is masked out, as are positions past the query.
@@ -159,6 +162,5 @@ class ModelRunner:
         k_pos = torch.tensor([k0 for k0, _, _ in keys], device=dev)[:, None] + offsets[None, :]
         q_pos = torch.tensor([q for _, q, _ in keys], device=dev)[:, None]
         masks = {w: m[:, None] for w, m in self._masks(q_pos, k_pos, torch.tensor(True)).items()}
-        return AttentionGroup(
-            torch.tensor(rows, device=dev), len(rows), 1, torch.tensor(padded, device=dev), masks
-        )
+        b = len(keys)
+        return AttentionGroup(slice(0, b), b, 1, torch.tensor(padded, device=dev), masks)

@@ -53,14 +53,14 @@ class Layer:
 class AttentionGroup:
     """Sequences whose attention runs as one SDPA call.
 
-    query_rows: rows of the flat batch holding these sequences' new tokens, [B * n].
+    rows: the contiguous rows of the flat batch holding these sequences' new tokens (B * n).
     key_blocks: KV-cache blocks each sequence attends to, padded, [B, nb]: whole blocks are
     gathered (one index per block, not per token), and masks drop what is not attended.
     masks: per distinct layer window, an additive mask [B, 1, n, nb * block_size], or None
     when a plain causal mask over fresh keys is exact.
     """
 
-    query_rows: torch.Tensor
+    rows: slice
     num_seqs: int
     num_queries: int  # per sequence
     key_blocks: torch.Tensor
@@ -100,10 +100,12 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotates pairs (i, i + D/2). signed_sin is sin with its first half negated, so the
+    rotation is x * cos + swap_halves(x) * signed_sin: three ops instead of six."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 class Decoder:
@@ -132,23 +134,25 @@ class Decoder:
         cfg = self.config
         x = F.embedding(batch.token_ids, self.embed)
         freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-        q_size = cfg.num_heads * cfg.head_dim
-        kv_size = cfg.num_kv_heads * cfg.head_dim
+        cos = freqs.cos().repeat(1, 2)[:, None, :].to(self.dtype)
+        sin = freqs.sin()
+        signed_sin = torch.cat((-sin, sin), dim=-1)[:, None, :].to(self.dtype)
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk_size = (heads + kv_heads) * head_dim
         for layer, window, (k_cache, v_cache) in zip(
             self.layers, cfg.layer_windows, kv_cache, strict=True
         ):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(-1, cfg.num_heads, cfg.head_dim)
-            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            # q and k heads side by side, so one rotation covers both.
+            qk = qkv[:, :qk_size].view(-1, heads + kv_heads, head_dim)
+            v = qkv[:, qk_size:].view(-1, kv_heads, head_dim)
             if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+                q = rms_norm(qk[:, :heads], layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(qk[:, heads:], layer.k_norm, cfg.rms_norm_eps)
+                qk = torch.cat((q, k), dim=1)
+            qk = apply_rope(qk, cos, signed_sin)
+            q, k = qk[:, :heads], qk[:, heads:]
             k_cache.flatten(0, 1).index_copy_(0, batch.write_slots, k)
             v_cache.flatten(0, 1).index_copy_(0, batch.write_slots, v)
             attn = self._attention(q, k_cache, v_cache, batch.groups, window)
@@ -168,16 +172,21 @@ class Decoder:
         window: int | None,
     ) -> torch.Tensor:
         cfg = self.config
-        out = torch.empty(q.shape[0], cfg.num_heads * cfg.head_dim, dtype=q.dtype, device=q.device)
+        out = None
         for g in groups:
             b, n = g.num_seqs, g.num_queries
             # [B, H, n, D] queries against [B, Hkv, L, D] keys gathered from the paged cache.
-            gq = q[g.query_rows].view(b, n, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+            gq = q[g.rows].view(b, n, cfg.num_heads, cfg.head_dim).transpose(1, 2)
             gk = k_cache[g.key_blocks].flatten(1, 2).transpose(1, 2)
             gv = v_cache[g.key_blocks].flatten(1, 2).transpose(1, 2)
             mask = g.masks[window]
             o = F.scaled_dot_product_attention(
                 gq, gk, gv, attn_mask=mask, is_causal=mask is None, enable_gqa=True
             )
-            out[g.query_rows] = o.transpose(1, 2).reshape(b * n, -1)
+            o = o.transpose(1, 2).reshape(b * n, -1)
+            if len(groups) == 1:
+                return o
+            if out is None:
+                out = q.new_empty(q.shape[0], cfg.num_heads * cfg.head_dim)
+            out[g.rows] = o
         return out
