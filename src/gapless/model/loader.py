@@ -155,10 +155,8 @@ def load_decoder(
                 q_norm=w.pop(attn + "q_norm.weight", None),
                 k_norm=w.pop(attn + "k_norm.weight", None),
                 post_norm=w.pop(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(
-                    cat(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
-                    cat(mlp + "gate_proj.bias", mlp + "up_proj.bias"),
-                ),
+                gate=Linear(w.pop(mlp + "gate_proj.weight"), w.pop(mlp + "gate_proj.bias", None)),
+                up=Linear(w.pop(mlp + "up_proj.weight"), w.pop(mlp + "up_proj.bias", None)),
                 down=Linear(w.pop(mlp + "down_proj.weight"), w.pop(mlp + "down_proj.bias", None)),
             )
         )
