@@ -28,6 +28,11 @@ def keep_freed_memory_mapped() -> None:
     libc.mallopt(m_trim_threshold, (1 << 31) - 1)
 
 
+# Prompt chunks up to this many tokens run attention with GQA heads folded into query rows
+# (see AttentionGroup); above it the plain kernel was as fast or faster here.
+FOLD_MAX_QUERIES = 128
+
+
 class ModelRunner:
     # A runner that cannot prefill in chunks sets this False; the engine then prefills every
     # prompt whole.
@@ -42,6 +47,7 @@ class ModelRunner:
         self.block_size = block_size
         self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)
         self.max_window = cfg.max_window
+        self.head_group = cfg.num_heads // cfg.num_kv_heads
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: padded attention reads masked slots, and 0 * NaN would poison it.
         self.kv_cache = [
@@ -142,15 +148,17 @@ class ModelRunner:
         dev = self.decoder.device
         key_blocks = torch.tensor(blocks, device=dev)[None]
         fresh = start == 0 and n % self.block_size == 0
-        if fresh and all(w is None or w >= n for w in self.windows):
+        if n > FOLD_MAX_QUERIES and fresh and all(w is None or w >= n for w in self.windows):
             masks = dict.fromkeys(self.windows)  # whole fresh blocks: plain causal is exact
-        else:
-            q_pos = torch.arange(start, start + n, device=dev)
-            k_pos = torch.arange(key_start, key_start + len(blocks) * self.block_size, device=dev)
-            masks = {
-                w: m[None, None] for w, m in self._masks(q_pos, k_pos, torch.tensor(True)).items()
-            }
-        return AttentionGroup(slice(row, row + n), 1, n, key_blocks, masks)
+            return AttentionGroup(slice(row, row + n), 1, n, key_blocks, masks)
+        q_pos = torch.arange(start, start + n, device=dev)
+        k_pos = torch.arange(key_start, key_start + len(blocks) * self.block_size, device=dev)
+        masks = self._masks(q_pos, k_pos, torch.tensor(True))
+        fold = n <= FOLD_MAX_QUERIES
+        if fold:
+            masks = {w: m.repeat_interleave(self.head_group, dim=0) for w, m in masks.items()}
+        masks = {w: m[None, None] for w, m in masks.items()}
+        return AttentionGroup(slice(row, row + n), 1, n, key_blocks, masks, fold)
 
     def _decode_group(self, keys: list[tuple[int, int, list[int]]]) -> AttentionGroup:
         """The decodes, which come first in the batch: rows 0 .. len(keys) - 1."""
@@ -161,6 +169,7 @@ class ModelRunner:
         offsets = torch.arange(width * self.block_size, device=dev)
         k_pos = torch.tensor([k0 for k0, _, _ in keys], device=dev)[:, None] + offsets[None, :]
         q_pos = torch.tensor([q for _, q, _ in keys], device=dev)[:, None]
+        # [B, 1, 1, L]: one query per sequence, so a folded group's rows share it by broadcast.
         masks = {w: m[:, None] for w, m in self._masks(q_pos, k_pos, torch.tensor(True)).items()}
         b = len(keys)
-        return AttentionGroup(slice(0, b), b, 1, torch.tensor(padded, device=dev), masks)
+        return AttentionGroup(slice(0, b), b, 1, torch.tensor(padded, device=dev), masks, True)
