@@ -7,7 +7,7 @@ import random
 from gapless import Engine, EngineConfig, SamplingParams
 from gapless.engine.cost_model import MIN_PREFILL_TOKENS, StepCostModel, step_features
 
-TRUE = [0.02, 0.001, 2e-7, 2e-4, 3e-8]  # seconds: base, per decode, per decode key, ...
+TRUE = [0.02, 0.001, 2e-4, 3e-8]  # seconds: base, per decode, per prompt token, per pair
 
 
 def true_time(features: list[float]) -> float:

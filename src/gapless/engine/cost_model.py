@@ -1,9 +1,10 @@
 """An online model of step time, used to size prefill chunks for a latency target.
 
-A step's time is modelled as linear in four costs it is made of:
-    t = base + a * decodes + b * decode_context + c * prefill_tokens + d * prefill_attention
-where decode_context is the number of keys the decodes attend to, and prefill_attention is
-query-key pairs of the prompt chunks (tokens x context). The coefficients are refitted by
+A step's time is modelled as linear in the costs it is made of:
+    t = base + a * decodes + b * prefill_tokens + c * attention_pairs
+where attention_pairs counts query-key pairs: each decode's context, plus each prompt
+chunk's tokens x the keys they see. (Separate terms for decode and prefill attention were
+collinear with the base cost in practice and overestimated decodes.) The coefficients are refitted by
 least squares on recent steps, so the model follows the machine it runs on, its load and its
 thread count. With `--target-itl-ms X`, each step with decodes gets the largest prefill budget
 whose predicted step time stays under X.
@@ -22,13 +23,12 @@ WINDOW = 256
 
 def step_features(decode_contexts: list[int], prefill_chunks: list[tuple[int, int]]) -> list[float]:
     """Features of a step: decode contexts, and (tokens, tokens already computed) per chunk."""
-    attention = sum(n * (start + n / 2) for n, start in prefill_chunks)
+    pairs = sum(decode_contexts) + sum(n * (start + n / 2) for n, start in prefill_chunks)
     return [
         1.0,
         float(len(decode_contexts)),
-        float(sum(decode_contexts)),
         float(sum(n for n, _ in prefill_chunks)),
-        float(attention),
+        float(pairs),
     ]
 
 
