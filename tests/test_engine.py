@@ -315,3 +315,27 @@ def test_penalties_follow_their_definitions():
     # token 2: once -> 0.5 / 2 - 0.25 - 0.5 = -0.5
     # token 4: only in the prompt -> repetition only: -2 * 2 = -4
     assert out.tolist() == [0.0, -1.0, -0.5, 3.0, -4.0]
+
+
+def test_sampling_thresholds_follow_top_k_top_p_min_p():
+    from gapless.engine.sampler import sampling_thresholds
+
+    probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 4)
+    params = [
+        SamplingParams(top_k=2),
+        SamplingParams(top_p=0.65),  # 0.5 alone is short of 0.65; 0.5 + 0.2 reaches it
+        SamplingParams(top_k=3, top_p=0.8),  # over the top 3 renormalised: .59, .82 -> 2 kept
+        SamplingParams(min_p=0.3),  # 0.3 * 0.5
+    ]
+    assert sampling_thresholds(probs, params).tolist() == pytest.approx([0.2, 0.2, 0.2, 0.15])
+
+
+def test_top_p_wider_than_the_candidate_head_matches_a_full_sort():
+    from gapless.engine.sampler import CANDIDATES, sampling_thresholds
+
+    vocab = 3 * CANDIDATES
+    probs = torch.linspace(2.0, 1.0, vocab)[torch.randperm(vocab)]
+    probs = (probs / probs.sum())[None]
+    ordered = probs[0].sort(descending=True).values
+    want = ordered[int((ordered.cumsum(0) < 0.9).sum())]
+    assert sampling_thresholds(probs, [SamplingParams(top_p=0.9)]).item() == want.item()

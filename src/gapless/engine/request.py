@@ -21,7 +21,8 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# eq=False: requests are compared by identity; two requests are never the same by value.
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_ids: list[int]

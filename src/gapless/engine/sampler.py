@@ -8,6 +8,7 @@ import torch
 
 from gapless.engine.events import TokenLogprob
 from gapless.engine.request import Request
+from gapless.engine.sampling_params import SamplingParams
 
 
 def apply_penalties(
@@ -33,23 +34,6 @@ def apply_penalties(
     return logits
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Masks tokens outside top-k, the top-p nucleus and the min-p floor with -inf."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if min_p > 0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    if top_p < 1:
-        sorted_logits, order = logits.sort(descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Keep a token if the mass before it is still under top_p (the top token always stays).
-        drop = (cumulative - sorted_logits.softmax(-1)) >= top_p
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    return logits
-
-
 def top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
     alternatives: list[tuple[int, float]] = []
     if k:
@@ -58,43 +42,82 @@ def top_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
     return (token_id, float(logprobs[token_id]), alternatives)
 
 
+# Top-k/top-p thresholds come from each row's CANDIDATES largest probabilities; a row whose
+# nucleus is wider than that (a near-uniform distribution) falls back to a full sort.
+CANDIDATES = 1024
+
+
+def sampling_thresholds(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Per row, the smallest probability a token needs to survive top-k, top-p and min-p.
+
+    top-p is taken over the top-k-renormalised distribution, then min-p applies, as vLLM
+    does. Tokens tied with the threshold all survive.
+    """
+    rows, vocab = probs.shape
+    dev = probs.device
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev)
+    min_p = torch.tensor([p.min_p for p in params], device=dev)
+    head = min(vocab, max(CANDIDATES, *(p.top_k for p in params)))
+    values = probs.topk(head, dim=-1).values  # sorted, descending
+    k = top_k.clamp(max=head)
+    kept = torch.arange(head, device=dev)[None, :] < k[:, None]
+    in_k = values * kept
+    # Rows without top-k keep their whole mass even where it extends past the head.
+    mass = torch.where(top_k < vocab, in_k.sum(-1), torch.ones_like(top_p))
+    cumulative = in_k.cumsum(-1) / mass[:, None]
+    last = (cumulative < top_p[:, None]).sum(-1).clamp(max=head - 1)
+    threshold = values.gather(1, (k - 1)[:, None]).squeeze(1)
+    nucleus = top_p < 1
+    threshold = torch.where(nucleus, values.gather(1, last[:, None]).squeeze(1), threshold)
+    wide = torch.nonzero(nucleus & (cumulative[:, -1] < top_p)).flatten()
+    if len(wide):
+        ordered = probs[wide].sort(dim=-1, descending=True).values
+        cut = (ordered.cumsum(-1) < top_p[wide, None]).sum(-1).clamp(max=vocab - 1)
+        threshold[wide] = ordered.gather(1, cut[:, None]).squeeze(1)
+    return torch.maximum(threshold, min_p * values[:, 0])
+
+
 def sample(requests: list[Request], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None]]:
     """One token per row of logits [B, vocab] (float32), with its logprobs when asked for.
 
-    Each seeded request draws from its own generator, so its tokens do not depend on which
-    other requests share the batch.
+    Batched: one pass for all greedy rows, one for all sampled rows. A sampled row draws a
+    single uniform number from its request's generator (inverse-CDF sampling), so a seeded
+    request gets the same tokens whatever else shares the batch.
     """
-    greedy_rows = [i for i, r in enumerate(requests) if r.params.greedy and not _penalised(r)]
-    plain_greedy = set(greedy_rows)
-    choices: list[int] = [0] * len(requests)
-    if greedy_rows:
-        picked = logits[greedy_rows].argmax(-1).tolist()
-        for i, token in zip(greedy_rows, picked, strict=True):
-            choices[i] = token
-    for i, req in enumerate(requests):
-        if i in plain_greedy:
-            continue
-        p = req.params
-        row = apply_penalties(
-            logits[i],
-            req.prompt_ids,
-            req.output_ids,
-            p.presence_penalty,
-            p.frequency_penalty,
-            p.repetition_penalty,
-        )
-        if p.greedy:
-            choices[i] = int(row.argmax())
-            continue
-        row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
-        probs = row.softmax(-1)
-        choices[i] = int(torch.multinomial(probs, 1, generator=req.generator))
+    raw = logits
+    penalised = [i for i, r in enumerate(requests) if _penalised(r)]
+    if penalised:
+        logits = logits.clone()
+        for i in penalised:
+            p, req = requests[i].params, requests[i]
+            logits[i] = apply_penalties(
+                logits[i],
+                req.prompt_ids,
+                req.output_ids,
+                p.presence_penalty,
+                p.frequency_penalty,
+                p.repetition_penalty,
+            )
+    choices = logits.argmax(-1)
+    sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if sampled:
+        params = [requests[i].params for i in sampled]
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        probs = (logits[sampled] / temperature[:, None]).softmax(-1)
+        probs = probs * (probs >= sampling_thresholds(probs, params)[:, None])
+        cdf = probs.cumsum(-1)
+        draws = torch.cat([torch.rand(1, generator=requests[i].generator) for i in sampled])
+        targets = (draws.to(cdf.device) * cdf[:, -1])[:, None]
+        picked = torch.searchsorted(cdf, targets, right=True).clamp(max=cdf.shape[1] - 1)
+        choices[sampled] = picked.squeeze(1)
+    tokens = choices.tolist()
     results: list[tuple[int, TokenLogprob | None]] = []
     for i, req in enumerate(requests):
         info = None
         if req.params.logprobs is not None:
-            info = top_logprobs(logits[i].log_softmax(-1), choices[i], req.params.logprobs)
-        results.append((choices[i], info))
+            info = top_logprobs(raw[i].log_softmax(-1), tokens[i], req.params.logprobs)
+        results.append((tokens[i], info))
     return results
 
 
