@@ -206,3 +206,19 @@ def test_dtype_choice():
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         resolve_dtype("fp8", torch.device("cpu"))
+
+
+def test_long_chunk_after_history_uses_split_attention_and_matches(checkpoint, monkeypatch):
+    import gapless.engine.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "SPLIT_MIN_QUERIES", 32)
+    decoder = load_decoder(checkpoint("qwen3"), "float32")
+    runner = ModelRunner(decoder, 32, 16)
+    ids = prompt(100)
+    whole = run_chunks(runner, Seq(ids, 0), [100])
+    seq = Seq(ids, 16)
+    run_chunks(runner, seq, [37])
+    batch, _ = runner._build([seq.chunk(63)], [True])
+    assert batch.groups[0].split_at == 37
+    pieces = run_chunks(runner, seq, [63])
+    assert (whole[37:] - pieces).abs().max().item() < 1e-4

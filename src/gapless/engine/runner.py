@@ -31,6 +31,9 @@ def keep_freed_memory_mapped() -> None:
 # Prompt chunks up to this many tokens run attention with GQA heads folded into query rows
 # (see AttentionGroup); above it the plain kernel was as fast or faster here.
 FOLD_MAX_QUERIES = 128
+# CPU prompt chunks of at least this many tokens after a history use split attention (see
+# AttentionGroup.split_at); a 512-token chunk was faster with one masked call.
+SPLIT_MIN_QUERIES = 2048
 
 
 class ModelRunner:
@@ -151,6 +154,10 @@ class ModelRunner:
         if n > FOLD_MAX_QUERIES and fresh and all(w is None or w >= n for w in self.windows):
             masks = dict.fromkeys(self.windows)  # whole fresh blocks: plain causal is exact
             return AttentionGroup(slice(row, row + n), 1, n, key_blocks, masks)
+        full_attention = all(w is None for w in self.windows)
+        if full_attention and start > 0 and n >= SPLIT_MIN_QUERIES and dev.type == "cpu":
+            masks = dict.fromkeys(self.windows)
+            return AttentionGroup(slice(row, row + n), 1, n, key_blocks, masks, split_at=start)
         q_pos = torch.arange(start, start + n, device=dev)
         k_pos = torch.arange(key_start, key_start + len(blocks) * self.block_size, device=dev)
         masks = self._masks(q_pos, k_pos, torch.tensor(True))

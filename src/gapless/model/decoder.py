@@ -87,6 +87,10 @@ class AttentionGroup:
     key_blocks: torch.Tensor
     masks: dict[int | None, torch.Tensor | None]
     fold_heads: bool = False
+    # For a long chunk after a history (full attention only): the number of history keys.
+    # Attention then runs unmasked over the history and causally over the chunk, merged by
+    # log-sum-exp, instead of one masked call: ~1.7x faster for a 4096-token chunk at 4096.
+    split_at: int | None = None
 
 
 @dataclass
@@ -128,6 +132,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+def split_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, history: int
+) -> torch.Tensor:
+    """Attention of a chunk q [B, n, Hkv, G, D] that sees all `history` keys plus itself
+    causally, as two unmasked flash calls merged by their log-sum-exps. Returns [B * n, H * D].
+    k, v: [B, Hkv, L, D] with the chunk's own keys at history .. history + n."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # CPU only
+    b, n, kv_heads, group, dim = q.shape
+    # History: every query sees every key; GQA heads folded into rows (query-major).
+    folded = q.transpose(1, 2).reshape(b, kv_heads, n * group, dim)
+    o_hist, lse_hist = flash(folded, k[:, :, :history], v[:, :, :history])[:2]
+    o_hist = o_hist.view(b, kv_heads, n, group, dim)
+    lse_hist = lse_hist.view(b, kv_heads, n, group)
+    # The chunk itself: causal, heads expanded to match the queries.
+    heads = q.flatten(2, 3).transpose(1, 2)
+    own_k = k[:, :, history : history + n].repeat_interleave(group, dim=1)
+    own_v = v[:, :, history : history + n].repeat_interleave(group, dim=1)
+    o_own, lse_own = flash(heads, own_k, own_v, is_causal=True)[:2]
+    o_own = o_own.view(b, kv_heads, group, n, dim).transpose(2, 3)
+    lse_own = lse_own.view(b, kv_heads, group, n).transpose(2, 3)
+    lse = torch.logaddexp(lse_hist, lse_own)
+    w_hist = (lse_hist - lse).exp().unsqueeze(-1).to(q.dtype)
+    w_own = (lse_own - lse).exp().unsqueeze(-1).to(q.dtype)
+    o = o_hist * w_hist + o_own * w_own  # [B, Hkv, n, G, D]
+    return o.transpose(1, 2).reshape(b * n, -1)
 
 
 class Decoder:
@@ -205,7 +236,9 @@ class Decoder:
             gv = v_cache.index_select(0, flat_blocks).view(b, -1, kv_heads, dim).transpose(1, 2)
             mask = g.masks[window]
             gq = q[g.rows].view(b, n, kv_heads, group, dim)
-            if g.fold_heads:  # [B, Hkv, n * group, D], rows query-major
+            if g.split_at is not None:
+                o = split_attention(gq, gk, gv, g.split_at)
+            elif g.fold_heads:  # [B, Hkv, n * group, D], rows query-major
                 gq = gq.transpose(1, 2).reshape(b, kv_heads, n * group, dim)
                 o = F.scaled_dot_product_attention(gq, gk, gv, attn_mask=mask)
                 o = o.view(b, kv_heads, n, group, dim).transpose(1, 2).reshape(b * n, -1)
