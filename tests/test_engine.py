@@ -339,3 +339,17 @@ def test_top_p_wider_than_the_candidate_head_matches_a_full_sort():
     ordered = probs[0].sort(descending=True).values
     want = ordered[int((ordered.cumsum(0) < 0.9).sum())]
     assert sampling_thresholds(probs, [SamplingParams(top_p=0.9)]).item() == want.item()
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("prefill_chunk", 0, "prefill_chunk must be positive"),
+        ("max_num_seqs", -1, "max_num_seqs must be positive"),
+        ("prefill_policy", "lifo", "prefill_policy must be 'fcfs' or 'shortest'"),
+        ("kv_cache_tokens", 0, "kv_cache_tokens must be positive"),
+    ],
+)
+def test_bad_engine_config_is_refused_by_name(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{field: value})

@@ -63,6 +63,25 @@ class EngineConfig:
     max_queue: int | None = None  # waiting requests beyond this are refused
     num_threads: int | None = None
 
+    def __post_init__(self) -> None:
+        positive = ["block_size", "max_num_seqs", "prefill_chunk", "idle_prefill_chunk"]
+        positive += [
+            name
+            for name in ("kv_cache_tokens", "max_model_len", "target_itl_ms", "num_threads")
+            if getattr(self, name) is not None
+        ]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.kv_memory_gib <= 0:
+            raise ValueError(f"kv_memory_gib must be positive, got {self.kv_memory_gib!r}")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue!r}")
+        if self.prefill_policy not in ("fcfs", "shortest"):
+            raise ValueError(
+                f"prefill_policy must be 'fcfs' or 'shortest', got {self.prefill_policy!r}"
+            )
+
 
 class Engine:
     def __init__(

@@ -52,10 +52,6 @@ class Scheduler:
         pool: BlockPool,
         prefill_budget: Callable[[list[int], int], int] | None = None,
     ) -> None:
-        if config.prefill_policy not in ("fcfs", "shortest"):
-            raise ValueError(
-                f"prefill_policy must be fcfs or shortest, not {config.prefill_policy!r}"
-            )
         self.config = config
         self.pool = pool
         # A latency target replaces the static chunk budget when decodes run. It is given the
