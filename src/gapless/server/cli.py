@@ -147,21 +147,25 @@ def run(args: argparse.Namespace) -> int:
             return 2
         name = args.served_model_name or model_dir.resolve().name
 
-    config = EngineConfig(
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_tokens=args.kv_cache_tokens,
-        kv_memory_gib=args.kv_memory,
-        max_num_seqs=args.max_num_seqs,
-        prefill_chunk=args.prefill_chunk,
-        idle_prefill_chunk=args.idle_prefill_chunk,
-        chunked_prefill=args.chunked_prefill,
-        prefill_policy=args.prefill_policy,
-        max_model_len=args.max_model_len,
-        target_itl_ms=args.target_itl_ms,
-        max_queue=args.max_queue,
-        num_threads=args.threads,
-    )
+    try:
+        config = EngineConfig(
+            dtype=args.dtype,
+            device=args.device,
+            kv_cache_tokens=args.kv_cache_tokens,
+            kv_memory_gib=args.kv_memory,
+            max_num_seqs=args.max_num_seqs,
+            prefill_chunk=args.prefill_chunk,
+            idle_prefill_chunk=args.idle_prefill_chunk,
+            chunked_prefill=args.chunked_prefill,
+            prefill_policy=args.prefill_policy,
+            max_model_len=args.max_model_len,
+            target_itl_ms=args.target_itl_ms,
+            max_queue=args.max_queue,
+            num_threads=args.threads,
+        )
+    except ValueError as e:
+        log.error("bad option: %s", e)
+        return 2
     try:
         engine = Engine.from_pretrained(model_dir, config)
     except (OSError, ValueError) as e:
