@@ -99,3 +99,7 @@ def test_quick_run_reports_every_figure(tmp_path: Path, tiny_cfg: ModelConfig) -
         weights = (DECODE_PARAMS_B1 + (b - 1) * 64) * 2
         assert d["bytes"] == weights + b * 2 * (c + 1) * KV_BYTES_PER_KEY_BF16
         assert all(d[k] > 0 for k in ("ms", "roofline_ms", "pct_of_roofline"))
+
+    overhead = r["engine_overhead"]
+    assert overhead["batch"] == 4
+    assert overhead["step_ms"] >= overhead["forward_ms"] > 0

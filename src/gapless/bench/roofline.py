@@ -61,6 +61,7 @@ def _sizes(quick: bool) -> dict:
             chunks=[(32, 0), (64, 0), (128, 0), (64, 256)],
             decode_batches=[1, 2, 4],
             decode_context=64,
+            engine_batch=4,
         )
     return dict(
         mm_shapes=[(2048, 2048, 2048), (512, 896, 4864)],
@@ -69,6 +70,7 @@ def _sizes(quick: bool) -> dict:
         chunks=[(128, 0), (512, 0), (2048, 0), (512, 4096)],
         decode_batches=[1, 8, 32],
         decode_context=256,
+        engine_batch=32,
     )
 
 
@@ -227,6 +229,44 @@ def time_model(
     return prefill, decode
 
 
+def engine_overhead(model_dir: Path, dtype: torch.dtype, batch: int, steps: int) -> dict:
+    """Step time of the whole engine (scheduling, sampling, detokenizing, events) against its
+    model forward, with `batch` greedy sequences decoding."""
+    from gapless.engine.engine import Engine, EngineConfig
+    from gapless.engine.sampling_params import SamplingParams
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    engine = Engine.from_pretrained(model_dir, EngineConfig(dtype=dtype_name, max_num_seqs=batch))
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
+    vocab = min(engine.decoder.config.vocab_size, engine.tokenizer.vocab_size)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, vocab, (64,), generator=gen).tolist(), params)
+    engine.step()  # every prompt prefills in this step (idle budget), then all decode
+    forward_times: list[float] = []
+    forward = engine.decoder.forward
+
+    def timed_forward(*args: object) -> torch.Tensor:
+        start = time.perf_counter()
+        out = forward(*args)
+        forward_times.append(time.perf_counter() - start)
+        return out
+
+    engine.decoder.forward = timed_forward  # type: ignore[method-assign]
+    step_times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        step_times.append(time.perf_counter() - start)
+    step, fwd = statistics.median(step_times), statistics.median(forward_times)
+    return {
+        "batch": batch,
+        "step_ms": step * 1e3,
+        "forward_ms": fwd * 1e3,
+        "non_model_pct": 100 * (step - fwd) / step,
+    }
+
+
 # --- command --------------------------------------------------------------------------------
 
 
@@ -280,6 +320,12 @@ def format_report(r: dict) -> str:
             f"(last-level cache {cache >> 20} MB: a step moving less than twice that partly "
             "reads from cache, so it can beat the memory roofline)"
         )
+    e = r["engine_overhead"]
+    lines += [
+        "",
+        f"engine step with {e['batch']} greedy decodes: {e['step_ms']:.1f} ms, of which model"
+        f" forward {e['forward_ms']:.1f} ms: non-model time {e['non_model_pct']:.1f}%",
+    ]
     return "\n".join(lines + ["", r["model"]["formulas"], "", r["note"]])
 
 
@@ -303,6 +349,8 @@ def roofline_main(args: argparse.Namespace) -> int:
 
     print("timing the model forward...", flush=True)
     prefill, decode = time_model(args.model_dir, dtype, sizes, args.reps, peak, bandwidth["best"])
+    print("timing the engine step...", flush=True)
+    overhead = engine_overhead(args.model_dir, dtype, sizes["engine_batch"], 4 * args.reps)
     elem = torch.tensor([], dtype=dtype).element_size()
     result = {
         "model_dir": str(args.model_dir),
@@ -322,6 +370,7 @@ def roofline_main(args: argparse.Namespace) -> int:
         },
         "prefill": prefill,
         "decode": decode,
+        "engine_overhead": overhead,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "roofline.json").write_text(json.dumps(result, indent=1) + "\n")
