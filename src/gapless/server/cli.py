@@ -54,6 +54,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="prefill each prompt whole in one step (the stalling baseline)",
     )
     p.add_argument(
+        "--no-prefix-cache",
+        dest="enable_prefix_cache",
+        action="store_false",
+        help="do not reuse KV blocks of shared prompt prefixes",
+    )
+    p.add_argument(
         "--prefill-policy",
         choices=["shortest", "fcfs"],
         default="shortest",
@@ -157,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
             prefill_chunk=args.prefill_chunk,
             idle_prefill_chunk=args.idle_prefill_chunk,
             chunked_prefill=args.chunked_prefill,
+            enable_prefix_cache=args.enable_prefix_cache,
             prefill_policy=args.prefill_policy,
             max_model_len=args.max_model_len,
             target_itl_ms=args.target_itl_ms,
