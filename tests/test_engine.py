@@ -353,3 +353,16 @@ def test_top_p_wider_than_the_candidate_head_matches_a_full_sort():
 def test_bad_engine_config_is_refused_by_name(field, value, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**{field: value})
+
+
+def test_shortest_policy_ages_a_long_prompt_so_it_does_not_starve(make_engine):
+    engine = make_engine(prefill_chunk=16, idle_prefill_chunk=16)
+    long_id = engine.add_request(prompt(10 * 16, 1), greedy(1))
+    for step in range(40):
+        # A short prompt arrives every step: without aging it would always go first.
+        engine.add_request(prompt(20, 100 + step), greedy(1))
+        events = engine.step()
+        if any(isinstance(e, FinishedEvent) and e.request_id == long_id for e in events):
+            break
+    else:
+        pytest.fail("the long prompt starved behind a stream of short ones")

@@ -31,6 +31,7 @@ class Request:
     # submit() and the no-chunking baseline: prefill the whole prompt in one step.
     whole_prefill: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    arrival_step: int = 0  # the scheduler's step count when it was queued, for aging
 
     state: RequestState = RequestState.WAITING
     output_ids: list[int] = field(default_factory=list)

@@ -8,7 +8,7 @@ Each step is one hybrid batch:
    while anyone decodes (or what the latency target allows, see cost_model.py), and
    `idle_prefill_chunk` when nobody does, so an idle server prefills at full speed.
 3. Chunks go to prefilling and waiting requests in policy order: `fcfs` by arrival, or
-   `shortest` remaining prefill first, aged so that no prompt starves. Several prompts may
+   `shortest` remaining prefill first, aged by steps waited so that no prompt starves. Several prompts may
    share the budget. Waiting requests are admitted while `max_num_seqs` and free KV allow.
 A request marked whole_prefill (submit(), or chunking off) takes its whole prompt at once.
 """
@@ -23,9 +23,10 @@ from gapless.engine.request import Request, RequestState
 from gapless.kv.block_pool import BlockPool
 from gapless.kv.prefix_cache import block_hashes, match_prefix
 
-# Under `shortest`, each second a request has waited counts as this many fewer prompt
-# tokens: a 30k-token prompt overtaken by short ones still reaches the front within seconds.
-AGING_TOKENS_PER_SECOND = 2048
+# Under `shortest`, each step a request has waited counts as this many fewer prompt tokens:
+# a 30k-token prompt overtaken by a stream of short ones still reaches the front within
+# ~470 steps. Counted in steps, not seconds, so the order does not depend on machine speed.
+AGING_TOKENS_PER_STEP = 64
 
 
 @dataclass
@@ -60,11 +61,13 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admitted: prefilling or decoding
         self._admissions = 0
+        self.steps = 0
         self.prefix_hit_tokens = 0
         self.prefix_queried_tokens = 0
         self.preemptions = 0
 
     def add(self, request: Request) -> None:
+        request.arrival_step = self.steps
         self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
@@ -77,9 +80,9 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         chunks = self._schedule_decodes()
-        now = time.monotonic()
+        self.steps += 1
         candidates = [r for r in self.running if r.state is RequestState.PREFILLING]
-        candidates = sorted(candidates + self.waiting, key=lambda r: self._priority(r, now))
+        candidates = sorted(candidates + self.waiting, key=self._priority)
         if not chunks:
             budget = self.config.idle_prefill_chunk
         elif self.prefill_budget is not None and candidates:
@@ -104,11 +107,11 @@ class Scheduler:
             budget -= n
         return chunks
 
-    def _priority(self, request: Request, now: float) -> tuple[float, float]:
+    def _priority(self, request: Request) -> tuple[int, float]:
         if self.config.prefill_policy == "fcfs":
-            return (0.0, request.arrival_time)
-        waited = now - request.arrival_time
-        return (request.num_uncomputed - AGING_TOKENS_PER_SECOND * waited, request.arrival_time)
+            return (0, request.arrival_time)
+        waited = self.steps - request.arrival_step
+        return (request.num_uncomputed - AGING_TOKENS_PER_STEP * waited, request.arrival_time)
 
     def _schedule_decodes(self) -> list[ScheduledChunk]:
         chunks = []
