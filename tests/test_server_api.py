@@ -216,7 +216,8 @@ def test_chat_logprobs(client: httpx.Client) -> None:
     content = r["choices"][0]["logprobs"]["content"]
     assert len(content) == 4
     for entry in content:
-        assert entry["bytes"] == list(entry["token"].encode())
+        if entry["token"] != "\ufffd":  # a piece of a character has its raw bytes instead
+            assert entry["bytes"] == list(entry["token"].encode())
         assert len(entry["top_logprobs"]) == 3
         # Greedy: the chosen token is the most likely one.
         assert entry["logprob"] == pytest.approx(entry["top_logprobs"][0]["logprob"], abs=1e-5)

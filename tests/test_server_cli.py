@@ -64,8 +64,8 @@ def demo_server(tmp_path: Path) -> Iterator[ServerProcess]:
 
 
 def test_demo_model_then_sigterm(demo_server: ServerProcess) -> None:
-    warning = demo_server.wait_for_line(r"DEMO model with RANDOM weights")
-    assert DEMO_MODEL_NAME in warning.string
+    announced = demo_server.wait_for_line(r"no MODEL_DIR given")
+    assert DEMO_MODEL_NAME in announced.string
     port = int(demo_server.wait_for_line(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")[1])
     url = f"http://127.0.0.1:{port}"
     [model] = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
