@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from gapless.bench.roofline import median_time
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampling_params import SamplingParams
@@ -28,16 +26,6 @@ from gapless.engine.scheduler import ScheduledChunk
 from gapless.model.loader import load_decoder
 
 BLOCK = 16
-
-
-def median_s(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def ours(path: Path, dtype: str, prompt: int, batch_sizes: list[int], context: int, reps: int):
@@ -54,11 +42,11 @@ def ours(path: Path, dtype: str, prompt: int, batch_sizes: list[int], context: i
         return req
 
     fresh = request(prompt, 0, 0)
-    prefill = median_s(lambda: runner.execute([ScheduledChunk(fresh, prompt)], set()), reps)
+    prefill = median_time(lambda: runner.execute([ScheduledChunk(fresh, prompt)], set()), reps)
     decode = {}
     for b in batch_sizes:
         chunks = [ScheduledChunk(request(context + 1, context, i), 1) for i in range(b)]
-        decode[b] = median_s(lambda chunks=chunks: runner.execute(chunks, set()), reps)
+        decode[b] = median_time(lambda chunks=chunks: runner.execute(chunks, set()), reps)
     return prefill, decode
 
 
@@ -69,7 +57,7 @@ def reference(path: Path, dtype: str, prompt: int, batch_sizes: list[int], conte
     ids = torch.randint(0, vocab, (1, prompt), generator=gen)
     with torch.inference_mode():
         # logits_to_keep=1: like gapless, compute the lm_head for the last position only.
-        prefill = median_s(lambda: model(ids, logits_to_keep=1), reps)
+        prefill = median_time(lambda: model(ids, logits_to_keep=1), reps)
         decode = {}
         for b in batch_sizes:
             history = torch.randint(0, vocab, (b, context), generator=gen)
@@ -81,7 +69,7 @@ def reference(path: Path, dtype: str, prompt: int, batch_sizes: list[int], conte
                 model(step, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache.crop(-1)  # drop the step again: the context stays fixed
 
-            decode[b] = median_s(one_step, reps)
+            decode[b] = median_time(one_step, reps)
     return prefill, decode
 
 
