@@ -366,3 +366,15 @@ def test_shortest_policy_ages_a_long_prompt_so_it_does_not_starve(make_engine):
             break
     else:
         pytest.fail("the long prompt starved behind a stream of short ones")
+
+
+def test_submit_prefills_the_whole_prompt_in_one_step_then_decodes_with_the_batch(make_engine):
+    engine = make_engine(prefill_chunk=16)
+    (a,) = start_decoding(engine, prompt(3, 1))
+    rid = engine.submit(prompt(100, 2), greedy(3))
+    counts, events = step_counts(engine)
+    progress = [e for e in events if isinstance(e, ProgressEvent) and e.request_id == rid]
+    assert [(e.processed, e.total) for e in progress] == [(100, 100)]  # 100 > the 16 budget
+    assert counts == {a: 1, rid: 1}
+    counts, _ = step_counts(engine)
+    assert counts == {a: 1, rid: 1}
