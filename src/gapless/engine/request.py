@@ -67,7 +67,10 @@ class Request:
         return self.state is RequestState.DECODING
 
     def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens start .. end of prompt + output, without copying either whole."""
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
