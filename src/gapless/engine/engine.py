@@ -173,7 +173,9 @@ class Engine:
             request_id, ids, params, progress_callback, whole_prefill or self.whole_prefill
         )
         if params.seed is not None:
-            request.generator = torch.Generator(self.decoder.device).manual_seed(params.seed)
+            # On the CPU whatever the device: one uniform draw per token, and the same draws on
+            # every device.
+            request.generator = torch.Generator().manual_seed(params.seed)
         request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         if params.stop:
             request.stop_filter = StopStringFilter(params.stop, params.include_stop_str_in_output)
