@@ -60,3 +60,12 @@ def test_engine_with_a_latency_target_gives_the_same_tokens(checkpoint):
                 tokens[e.request_id] += getattr(e, "token_ids", [])
         outs.append([tokens[i] for i in ids])
     assert outs[0] == outs[1]
+
+
+def test_a_model_that_has_only_seen_decodes_keeps_the_static_chunk():
+    model = StepCostModel(0.15, fallback_chunk=512)
+    for n in range(40):
+        features = step_features([100 + n] * 4, [])
+        model.observe(features, true_time(features))
+    assert model.coef is not None
+    assert model.prefill_budget([200] * 4, 0) == 512

@@ -16,7 +16,10 @@ from collections import deque
 
 import torch
 
-MIN_PREFILL_TOKENS = 16  # keep every prompt moving even when decodes alone use the target
+MIN_PREFILL_TOKENS = 16
+# Chunk size while the model has not yet timed enough chunks: small, so a step stays short
+# whatever the machine, and the fit learns what chunks cost.
+LEARNING_CHUNK = 64  # keep every prompt moving even when decodes alone use the target
 MIN_SAMPLES = 8
 WINDOW = 256
 
@@ -40,16 +43,21 @@ class StepCostModel:
         self._samples: deque[tuple[list[float], float]] = deque(maxlen=WINDOW)
         self.coef: torch.Tensor | None = None
         self._since_fit = 0
+        # Steps with prompt chunks in the fitted window: without enough of them the fit knows
+        # nothing of a chunk's cost (a server that has only decoded would allow any chunk).
+        self._prefill_steps = 0
 
     def observe(self, features: list[float], seconds: float) -> None:
         self._samples.append((features, seconds))
         self._since_fit += 1
-        if len(self._samples) >= MIN_SAMPLES and (self.coef is None or self._since_fit >= 16):
+        learning = self.coef is None or self._prefill_steps < MIN_SAMPLES
+        if len(self._samples) >= MIN_SAMPLES and (learning or self._since_fit >= 16):
             self._fit()
 
     def _fit(self) -> None:
         x = torch.tensor([f for f, _ in self._samples], dtype=torch.float64)
         y = torch.tensor([t for _, t in self._samples], dtype=torch.float64)
+        self._prefill_steps = int((x[:, 2] > 0).sum())
         # Scale columns so the tiny per-key and large per-step costs are fitted alike; a light
         # ridge keeps unexcited columns (e.g. no prefill seen yet) from exploding.
         scale = x.abs().amax(0).clamp(min=1e-9)
@@ -65,7 +73,7 @@ class StepCostModel:
 
     def prefill_budget(self, decode_contexts: list[int], prefill_start: int) -> int:
         """Prompt tokens this step can take, given its decodes and where the next chunk starts."""
-        if self.coef is None:
+        if self.coef is None or self._prefill_steps < MIN_SAMPLES:
             return self.fallback_chunk
         lo, hi = 0, self.max_chunk
         while lo < hi:  # largest n whose predicted step time meets the target

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from gapless.engine.cost_model import StepCostModel, step_features
+from gapless.engine.cost_model import LEARNING_CHUNK, StepCostModel, step_features
 from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent
 from gapless.engine.metrics import EngineMetrics
 from gapless.engine.request import Request, RequestState
@@ -120,7 +120,9 @@ class Engine:
         budget = None
         if config.target_itl_ms is not None:
             self.cost_model = StepCostModel(
-                config.target_itl_ms / 1000, config.prefill_chunk, config.idle_prefill_chunk
+                config.target_itl_ms / 1000,
+                min(config.prefill_chunk, LEARNING_CHUNK),
+                config.idle_prefill_chunk,
             )
             budget = self.cost_model.prefill_budget
         self.scheduler = Scheduler(
