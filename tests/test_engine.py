@@ -378,3 +378,16 @@ def test_submit_prefills_the_whole_prompt_in_one_step_then_decodes_with_the_batc
     assert counts == {a: 1, rid: 1}
     counts, _ = step_counts(engine)
     assert counts == {a: 1, rid: 1}
+
+
+def test_fail_all_ends_every_live_request_and_frees_its_blocks(make_engine):
+    engine = make_engine(max_num_seqs=1)
+    running = engine.add_request(prompt(40), greedy(20))
+    engine.step()
+    queued = engine.add_request(prompt(30, 1), greedy(20))
+    events = engine.fail_all("boom")
+    assert {e.request_id: (e.finish_reason, e.error) for e in events} == {
+        running: ("error", "boom"),
+        queued: ("error", "boom"),
+    }
+    assert engine.pool.num_used == 0 and not engine.has_work
