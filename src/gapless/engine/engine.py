@@ -314,8 +314,6 @@ class Engine:
         p = req.params
         req.output_ids.append(token)
         req.state = RequestState.DECODING
-        if info is not None:
-            req.output_logprobs.append(info)
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.time_to_first_token.observe(now - req.arrival_time)
@@ -342,7 +340,6 @@ class Engine:
                 finish = "stop"
             elif finish is not None:
                 text += req.stop_filter.flush()
-        req.text += text
         self._emit(events, req, TokenEvent(req.request_id, [token], text, [info] if info else None))
         if finish is not None:
             self._finish(events, req, finish)

@@ -43,11 +43,9 @@ class Request:
     preemptions: int = 0
     admitted_seq: int = -1  # admission order, for choosing preemption victims
     generator: torch.Generator | None = None
-    output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     detokenizer: object | None = None
     stop_filter: StopStringFilter | None = None
-    text: str = ""
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
