@@ -105,7 +105,9 @@ def sample(requests: list[Request], logits: torch.Tensor) -> list[tuple[int, Tok
         params = [requests[i].params for i in sampled]
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
         probs = (logits[sampled] / temperature[:, None]).softmax(-1)
-        probs = probs * (probs >= sampling_thresholds(probs, params)[:, None])
+        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+            # The thresholds cost a top-1024 per row: only when some row filters at all.
+            probs = probs * (probs >= sampling_thresholds(probs, params)[:, None])
         cdf = probs.cumsum(-1)
         draws = torch.cat([torch.rand(1, generator=requests[i].generator) for i in sampled])
         targets = (draws.to(cdf.device) * cdf[:, -1])[:, None]
