@@ -11,7 +11,7 @@ import torch
 from gapless import Engine, EngineConfig, SamplingParams
 from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
 from gapless.engine.runner import ModelRunner
-from gapless.engine.sampler import apply_penalties
+from gapless.engine.sampler import TokenCounts, apply_penalties
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -307,9 +307,8 @@ def test_stop_string_across_tokens_is_caught_and_never_streamed(make_engine):
 
 def test_penalties_follow_their_definitions():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
-    out = apply_penalties(
-        logits, prompt_ids=[4], output_ids=[0, 0, 2], presence=0.5, frequency=0.25, repetition=2.0
-    )
+    counts = TokenCounts(prompt_ids=[4], output_ids=[0, 0, 2], vocab=5, device=logits.device)
+    out = apply_penalties(logits, counts, presence=0.5, frequency=0.25, repetition=2.0)
     # Repetition first (positive / 2, negative * 2), then frequency * count and presence.
     # token 0: seen twice in output -> 2 / 2 - 0.25 * 2 - 0.5 = 0.0
     # token 2: once -> 0.5 / 2 - 0.25 - 0.5 = -0.5

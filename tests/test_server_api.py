@@ -352,14 +352,14 @@ def test_cancel_endpoint(client: httpx.Client, server: RunningServer, prefixed: 
         assert response_id.startswith("cmpl-")
         target = response_id if prefixed else response_id.removeprefix("cmpl-")
         with server.client() as other:
-            ok = other.post(f"/v1/cancel/{target}")
+            ok = other.post(f"/v1/cancel/{target}", json={})
             assert ok.status_code == 200
             assert ok.json()["cancelled"] is True
         sse = reader.read_all()
     assert sse.finish_reason == "cancelled"
     assert sse.done
     assert len(sse.token_chunks) < 1500
-    gone = client.post(f"/v1/cancel/{target}")
+    gone = client.post(f"/v1/cancel/{target}", json={})
     assert gone.status_code == 404
     assert gone.json()["error"]["type"] == "not_found_error"
 
@@ -411,6 +411,7 @@ def test_echo_prompt_logprobs_match_transformers(
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HELLO = [{"role": "user", "content": "hello"}]
+JSON_TYPE = {"content-type": "application/json"}
 
 # (name, path, body: dict or raw bytes, status, type, param, code, text in the message)
 BAD_REQUESTS: list[tuple[str, str, Any, int, str, str | None, str | None, str | None]] = [
@@ -488,7 +489,7 @@ def test_wrong_method_is_405(client: httpx.Client) -> None:
 
 def test_server_survives_bad_requests(client: httpx.Client) -> None:
     for _ in range(3):
-        assert client.post(CHAT, content=b"{").status_code == 400
+        assert client.post(CHAT, content=b"{", headers=JSON_TYPE).status_code == 400
     r = client.post(
         COMPLETIONS, json={"prompt": "still alive", "max_tokens": 2, "ignore_eos": True}
     )

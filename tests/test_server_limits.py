@@ -91,7 +91,9 @@ def test_full_queue_is_503_with_retry_after(server: RunningServer) -> None:
         assert (error["type"], error["code"]) == ("overloaded_error", "queue_full")
         # Cancel both so the module's other tests find an idle server.
         for request_id in list(server.server.state.live):
-            assert httpx.post(f"{server.url}/v1/cancel/{request_id}", headers=auth).status_code in (
+            assert httpx.post(
+                f"{server.url}/v1/cancel/{request_id}", headers=auth, json={}
+            ).status_code in (
                 200,
                 404,
             )

@@ -27,10 +27,11 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self) -> None:
-        """Ends the engine thread after its current step."""
+        """Ends the engine thread after its current step. Idempotent."""
         self._stopping = True
         self._wake.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def stream(
         self,

@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 
 from gapless.engine.cost_model import LEARNING_CHUNK, StepCostModel, step_features
-from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent
+from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent, TokenLogprob
 from gapless.engine.metrics import EngineMetrics
 from gapless.engine.request import Request, RequestState
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampler import sample, top_logprobs
-from gapless.engine.sampling_params import SamplingParams
+from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
 from gapless.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from gapless.engine.stopping import StopStringFilter
 from gapless.kv.block_pool import BlockPool
@@ -168,8 +168,8 @@ class Engine:
     ) -> str:
         """Queues a request (thread-safe); it starts at the next step. Returns its id."""
         params = params or SamplingParams()
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(ids)
+        ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(ids, params)
         request_id = request_id or uuid.uuid4().hex
         request = Request(
             request_id, ids, params, progress_callback, whole_prefill or self.whole_prefill
@@ -203,7 +203,25 @@ class Engine:
             self._cancels.append(request_id)
             return True
 
-    def _validate(self, ids: list[int]) -> None:
+    def _encode(self, prompt: str) -> list[int]:
+        if self.tokenizer.surely_exceeds(len(prompt), self.max_model_len):
+            raise RequestError(
+                f"the prompt has {len(prompt)} characters, more than this model's context of "
+                f"{self.max_model_len} tokens can hold",
+                "prompt",
+                "context_length_exceeded",
+            )
+        try:
+            return self.tokenizer.encode(prompt)
+        except ValueError as e:  # text that is not valid Unicode
+            raise RequestError(str(e), "prompt") from e
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        """The limits that need the model; SamplingParams checked the rest on construction."""
+        try:
+            params.check_vocab(self.decoder.config.vocab_size)
+        except SamplingParamsError as e:
+            raise RequestError(str(e), e.param) from e
         if not ids:
             raise RequestError("the prompt is empty", "prompt")
         if len(ids) >= self.max_model_len:
@@ -226,6 +244,9 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[Event]:
+        """One hybrid forward over everything scheduled, then one token per finished prompt
+        or decode. A failure is isolated to the requests it comes from: the others in the
+        batch continue with the tokens they would have had."""
         events: list[Event] = []
         self._take_incoming(events)
         started = time.perf_counter()
@@ -236,48 +257,103 @@ class Engine:
             [c.request.num_computed + 1 for c in chunks if c.request.is_decoding],
             [(c.num_tokens, c.request.num_computed) for c in chunks if not c.request.is_decoding],
         )
-        prompt_phase = [c.request.num_computed < len(c.request.prompt_ids) for c in chunks]
-        all_logits = {
-            i
-            for i, c in enumerate(chunks)
-            if prompt_phase[i] and c.request.params.prompt_logprobs is not None
-        }
-        try:
-            logits = self.runner.execute(chunks, all_logits)
-        except Exception as exc:  # a failed forward fails its requests, not the engine
-            log.exception("forward pass failed")
-            for chunk in chunks:
-                self._finish(events, chunk.request, "error", f"{type(exc).__name__}: {exc}")
-            return events
         to_sample: list[tuple[Request, torch.Tensor]] = []
-        for chunk, rows, in_prompt in zip(chunks, logits, prompt_phase, strict=True):
-            req = chunk.request
-            if in_prompt and req.params.prompt_logprobs is not None:
-                self._record_prompt_logprobs(req, req.num_computed, rows)
-            req.num_computed += chunk.num_tokens
-            self.scheduler.register_computed_blocks(req)
-            if in_prompt and req.first_token_time is None:
-                processed = min(req.num_computed, len(req.prompt_ids))
-                self._emit(
-                    events, req, ProgressEvent(req.request_id, processed, len(req.prompt_ids))
-                )
-            if req.num_computed == req.num_tokens:
-                if req.params.max_tokens == 0:
-                    self._finish(events, req, "length")
-                else:
-                    to_sample.append((req, rows[-1]))
-        if to_sample:
-            reqs = [r for r, _ in to_sample]
-            for req, (token, info) in zip(
-                reqs, sample(reqs, torch.stack([x for _, x in to_sample])), strict=True
-            ):
+        for chunk, rows in self._forward(events, chunks):
+            try:
+                if self._advance(events, chunk, rows):
+                    to_sample.append((chunk.request, rows[-1]))
+            except Exception as exc:
+                self._fail(events, chunk.request, exc)
+        for req, token, info in self._sample(events, to_sample):
+            try:
                 self._append_token(events, req, token, info)
+            except Exception as exc:
+                self._fail(events, req, exc)
         self.num_steps += 1
         elapsed = time.perf_counter() - started
         self.metrics.step_time.observe(elapsed)
         if self.cost_model is not None:
             self.cost_model.observe(features, elapsed)
         return events
+
+    def _forward(
+        self, events: list[Event], chunks: list[ScheduledChunk]
+    ) -> list[tuple[ScheduledChunk, torch.Tensor]]:
+        """Each chunk with its logits, from one forward. If that fails, the chunks run one at a
+        time and only those that fail alone fail their requests. (Rewriting a chunk's K/V is
+        harmless: the same tokens write the same values.)"""
+        every_row = [
+            c.request.num_computed < len(c.request.prompt_ids)
+            and c.request.params.prompt_logprobs is not None
+            for c in chunks
+        ]
+        try:
+            logits = self.runner.execute(chunks, {i for i, e in enumerate(every_row) if e})
+            return list(zip(chunks, logits, strict=True))
+        except Exception as exc:
+            if len(chunks) == 1:
+                self._fail(events, chunks[0].request, exc)
+                return []
+            log.exception("a forward of %d chunks failed: running them one at a time", len(chunks))
+        survivors = []
+        for chunk, every in zip(chunks, every_row, strict=True):
+            try:
+                survivors.append((chunk, self.runner.execute([chunk], {0} if every else set())[0]))
+            except Exception as exc:
+                self._fail(events, chunk.request, exc)
+        return survivors
+
+    def _advance(self, events: list[Event], chunk: ScheduledChunk, rows: torch.Tensor) -> bool:
+        """Books a computed chunk; True when its request now samples a token from rows[-1]."""
+        req = chunk.request
+        in_prompt = req.num_computed < len(req.prompt_ids)
+        if in_prompt and req.params.prompt_logprobs is not None:
+            self._record_prompt_logprobs(req, req.num_computed, rows)
+        req.num_computed += chunk.num_tokens
+        self.scheduler.register_computed_blocks(req)
+        if in_prompt and req.first_token_time is None:
+            processed = min(req.num_computed, len(req.prompt_ids))
+            self._emit(events, req, ProgressEvent(req.request_id, processed, len(req.prompt_ids)))
+        if req.num_computed < req.num_tokens:
+            return False
+        if req.params.max_tokens == 0:
+            self._finish(events, req, "length")
+            return False
+        return True
+
+    def _sample(
+        self, events: list[Event], batch: list[tuple[Request, torch.Tensor]]
+    ) -> list[tuple[Request, int, TokenLogprob | None]]:
+        """Samples every row at once; if that fails, row by row, failing only the rows that
+        fail alone. Seeded generators are rewound first, so the retried rows draw the same
+        numbers they would have drawn in the batch."""
+        if not batch:
+            return []
+        reqs = [r for r, _ in batch]
+        logits = torch.stack([x for _, x in batch])
+        states = [r.generator.get_state() if r.generator is not None else None for r in reqs]
+        try:
+            return [(r, t, i) for r, (t, i) in zip(reqs, sample(reqs, logits), strict=True)]
+        except Exception:
+            if len(reqs) > 1:
+                log.exception("sampling %d rows failed: sampling them one at a time", len(reqs))
+        out = []
+        for row, (req, state) in enumerate(zip(reqs, states, strict=True)):
+            if state is not None:
+                req.generator.set_state(state)
+            try:
+                [(token, info)] = sample([req], logits[row : row + 1])
+            except Exception as exc:
+                self._fail(events, req, exc)
+                continue
+            out.append((req, token, info))
+        return out
+
+    def _fail(self, events: list[Event], req: Request, exc: Exception) -> None:
+        log.error(
+            "request %s failed: %s: %s", req.request_id, type(exc).__name__, exc, exc_info=exc
+        )
+        self._finish(events, req, "error", f"{type(exc).__name__}: {exc}")
 
     def fail_all(self, error: str) -> list[Event]:
         """Ends every live request with an error, releasing its KV; the engine stays usable."""
@@ -309,7 +385,9 @@ class Engine:
                 continue
             req.prompt_logprobs.append(top_logprobs(logprobs[offset], req.prompt_ids[target], k))
 
-    def _append_token(self, events: list[Event], req: Request, token: int, info) -> None:
+    def _append_token(
+        self, events: list[Event], req: Request, token: int, info: TokenLogprob | None
+    ) -> None:
         now = time.monotonic()
         p = req.params
         req.output_ids.append(token)
@@ -334,13 +412,16 @@ class Engine:
             finish = "length"
         if finish is not None:
             text += req.detokenizer.flush()  # the last token carries all remaining text
+        logprobs = [info] if info else []
         if req.stop_filter is not None:
-            text = req.stop_filter.feed(text)
+            # Logprobs then travel with their tokens' text: none for text the stop cut off.
+            text, logprobs = req.stop_filter.feed(text, info)
             if req.stop_filter.stopped:
                 finish = "stop"
             elif finish is not None:
-                text += req.stop_filter.flush()
-        self._emit(events, req, TokenEvent(req.request_id, [token], text, [info] if info else None))
+                rest, held = req.stop_filter.flush()
+                text, logprobs = text + rest, logprobs + held
+        self._emit(events, req, TokenEvent(req.request_id, [token], text, logprobs or None))
         if finish is not None:
             self._finish(events, req, finish)
 

@@ -6,12 +6,16 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from gapless.engine.events import ProgressEvent, TokenLogprob
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.stopping import StopStringFilter
+
+if TYPE_CHECKING:
+    from gapless.engine.sampler import TokenCounts
 
 
 class RequestState(enum.Enum):
@@ -43,6 +47,7 @@ class Request:
     preemptions: int = 0
     admitted_seq: int = -1  # admission order, for choosing preemption victims
     generator: torch.Generator | None = None
+    token_counts: TokenCounts | None = None  # made by the sampler for penalised requests
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     detokenizer: object | None = None
     stop_filter: StopStringFilter | None = None

@@ -11,26 +11,37 @@ from gapless.engine.request import Request
 from gapless.engine.sampling_params import SamplingParams
 
 
+class TokenCounts:
+    """A penalised request's tokens as counts over the vocabulary, kept up to date as it
+    generates: penalties then cost one pass over the vocabulary per step, however long the
+    prompt and the output grow."""
+
+    def __init__(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], vocab: int, device: torch.device
+    ) -> None:
+        self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.in_prompt[torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
+        self.output = torch.zeros(vocab, dtype=torch.int32, device=device)
+        for token in output_ids:
+            self.add(token)
+
+    def add(self, token: int) -> None:
+        self.output[token] += 1
+
+
 def apply_penalties(
-    logits: torch.Tensor,
-    prompt_ids: Sequence[int],
-    output_ids: Sequence[int],
-    presence: float,
-    frequency: float,
-    repetition: float,
+    logits: torch.Tensor, counts: TokenCounts, presence: float, frequency: float, repetition: float
 ) -> torch.Tensor:
     """CTRL-style repetition penalty over prompt and generated tokens (divide positive
     logits, multiply negative), then OpenAI frequency and presence penalties over generated
     tokens; the order vLLM uses."""
-    logits = logits.clone()
+    generated = counts.output > 0
     if repetition != 1.0:
-        seen = torch.tensor(list(set(prompt_ids) | set(output_ids)), device=logits.device)
-        if len(seen):
-            picked = logits[seen]
-            logits[seen] = torch.where(picked > 0, picked / repetition, picked * repetition)
-    if output_ids and (presence or frequency):
-        ids, counts = torch.tensor(output_ids, device=logits.device).unique(return_counts=True)
-        logits[ids] -= presence + frequency * counts.to(logits.dtype)
+        seen = counts.in_prompt | generated
+        penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalised, logits)
+    if presence or frequency:
+        logits = logits - (presence * generated + frequency * counts.output)
     return logits
 
 
@@ -91,10 +102,13 @@ def sample(requests: list[Request], logits: torch.Tensor) -> list[tuple[int, Tok
         logits = logits.clone()
         for i in penalised:
             p, req = requests[i].params, requests[i]
+            if req.token_counts is None:
+                req.token_counts = TokenCounts(
+                    req.prompt_ids, req.output_ids, logits.shape[-1], logits.device
+                )
             logits[i] = apply_penalties(
                 logits[i],
-                req.prompt_ids,
-                req.output_ids,
+                req.token_counts,
                 p.presence_penalty,
                 p.frequency_penalty,
                 p.repetition_penalty,
@@ -120,6 +134,8 @@ def sample(requests: list[Request], logits: torch.Tensor) -> list[tuple[int, Tok
         if req.params.logprobs is not None:
             info = top_logprobs(raw[i].log_softmax(-1), tokens[i], req.params.logprobs)
         results.append((tokens[i], info))
+    for i in penalised:  # last, so that a failed call has counted nothing
+        requests[i].token_counts.add(tokens[i])
     return results
 
 

@@ -1,8 +1,21 @@
-"""Per-request sampling and stopping options, validated at construction."""
+"""Per-request sampling and stopping options, validated at construction.
+
+Every option a client controls is bounded here, so the work a request can make the engine do
+per step is bounded before the request is admitted (see docs/server.md, Limits).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# The stop-string filter checks every string against the held-back text at each token: these
+# bound that work (and the text held back) per request.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 @dataclass
@@ -30,31 +43,70 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        lo, hi = SEED_RANGE
         checks = [
             (self.max_tokens >= 0, "max_tokens", "must be >= 0"),
-            (self.temperature >= 0, "temperature", "must be >= 0"),
+            (0 <= self.temperature < math.inf, "temperature", "must be >= 0 and finite"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (self.top_k >= -1, "top_k", "must be -1, 0 (off) or positive"),
+            (
+                self.seed is None or lo <= self.seed <= hi,
+                "seed",
+                "must fit in a signed 64-bit integer",
+            ),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
             (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (_in_range(self.logprobs, MAX_LOGPROBS), "logprobs", f"must be in [0, {MAX_LOGPROBS}]"),
             (
-                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                _in_range(self.prompt_logprobs, MAX_LOGPROBS),
                 "prompt_logprobs",
-                "must be in [0, 20]",
+                f"must be in [0, {MAX_LOGPROBS}]",
             ),
             (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
+            (
+                len(self.stop) <= MAX_STOP_STRINGS,
+                "stop",
+                f"may hold at most {MAX_STOP_STRINGS} strings",
+            ),
+            (
+                all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+                "stop",
+                f"strings may be at most {MAX_STOP_STRING_CHARS} characters long",
+            ),
+            (
+                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+                "stop_token_ids",
+                f"may hold at most {MAX_STOP_TOKEN_IDS} ids",
+            ),
         ]
         for ok, name, why in checks:
             if not ok:
-                raise SamplingParamsError(name, f"{name} {why}, got {getattr(self, name)!r}")
+                value = repr(getattr(self, name))
+                shown = value if len(value) <= 80 else f"{value[:60]}... ({len(value)} characters)"
+                raise SamplingParamsError(name, f"{name} {why}, got {shown}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The limits that depend on the model: token ids and top_k within its vocabulary."""
+        if self.top_k > vocab_size:
+            raise SamplingParamsError(
+                "top_k", f"top_k must be at most the vocabulary size {vocab_size}, got {self.top_k}"
+            )
+        bad = next((t for t in self.stop_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise SamplingParamsError(
+                "stop_token_ids", f"stop_token_ids must be in [0, {vocab_size}), got {bad}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _in_range(value: int | None, high: int) -> bool:
+    return value is None or 0 <= value <= high
 
 
 class SamplingParamsError(ValueError):

@@ -20,6 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
 
 NO_CHAT_TEMPLATE = "this checkpoint has no chat template; use /v1/completions"
+INVALID_UNICODE = "the text is not valid Unicode: it holds a lone surrogate such as \\ud800"
 
 # The names transformers exposes to chat templates when they are set.
 _SPECIAL_TOKEN_NAMES = (
@@ -68,6 +69,15 @@ def _load_chat_template(path: Path, config: dict[str, Any]) -> str | None:
             raise ValueError(f"chat templates {sorted(named)} include none named 'default'")
         return named["default"]
     return template
+
+
+def is_unicode(text: str) -> bool:
+    """False for text holding a lone surrogate (JSON can spell one: "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _raise_exception(message: str) -> None:
@@ -191,6 +201,10 @@ class Tokenizer:
             )
         self._byte_level = _contains_decoder(decoder_spec, "ByteLevel")
         self._anchor = self._find_anchor()
+        # A piece spells at least as many characters as it covers in the input (byte-level
+        # pieces one per byte, sentencepiece pieces one per character), so this bounds how
+        # much text one token can stand for.
+        self.max_token_chars: int = max(map(len, backend.get_vocab(with_added_tokens=True)))
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -263,7 +277,17 @@ class Tokenizer:
                 return token_id, char
         return None
 
+    def surely_exceeds(self, num_chars: int, max_tokens: int) -> bool:
+        """Whether a text of num_chars characters must encode to more than max_tokens tokens.
+
+        Decided without encoding it, so a huge text is refused at once. The factor 2 leaves
+        room for normalizers that merge characters.
+        """
+        return num_chars > 2 * self.max_token_chars * max_tokens
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not is_unicode(text):
+            raise ValueError(INVALID_UNICODE)
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._adds_bos and ids[:2] == [self.bos_token_id] * 2:
             del ids[0]
@@ -297,10 +321,15 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
+        /,
         add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> str:
-        """Render messages to prompt text; extra kwargs (e.g. tools) go to the template."""
+        """Render messages to prompt text; extra kwargs (e.g. tools) go to the template.
+
+        `messages` and `add_generation_prompt` are always these arguments: a kwarg of the same
+        name cannot replace them.
+        """
         if self.chat_template is None:
             raise ValueError(NO_CHAT_TEMPLATE)
         if self._compiled_template is None:
@@ -310,16 +339,16 @@ class Tokenizer:
         variables: dict[str, Any] = {"tools": None, "documents": None}
         variables.update(self.special_token_strings)
         variables.update(kwargs)
+        variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
         try:
-            return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **variables
-            )
+            return self._compiled_template.render(variables)
         except Exception as e:  # a template is a program: any failure is the template's
             raise ValueError(f"chat template error: {e}") from e
 
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
+        /,
         add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> list[int]:

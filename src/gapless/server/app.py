@@ -18,7 +18,7 @@ import anyio
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -394,6 +394,20 @@ class EngineResponse:
 # -- endpoints ------------------------------------------------------------------------------
 
 
+def _require_json(request: Request) -> None:
+    """POST bodies must be declared JSON. Beyond clarity, this is what keeps a web page from
+    driving a server on localhost: a browser sends text/plain or form bodies cross-origin
+    without asking, but application/json only after a CORS preflight, which we never grant."""
+    declared = request.headers.get("content-type", "")
+    media_type = declared.partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(
+            415,
+            f"the Content-Type must be application/json, got {declared or 'none'!r}",
+            code="unsupported_media_type",
+        )
+
+
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
     too_large = APIError(
         413, f"the request body is larger than {limit} bytes", code="request_too_large"
@@ -416,6 +430,7 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
         raise protocol.invalid(f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise protocol.invalid("the request body must be a JSON object")
+    protocol.check_unicode(text, body)
     return body
 
 
@@ -455,9 +470,14 @@ def _api(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[
     async def endpoint(request: Request) -> Any:
         try:
             _authorize(state, request)
+            if request.method == "POST":
+                _require_json(request)
             return await handler(state, request)
         except APIError as e:
             return error_response(e)
+        except ClientDisconnect:  # any client can do this: one line, no traceback
+            log.info("client hung up before sending all of its request to %s", request.url.path)
+            return Response(status_code=400)
 
     return endpoint
 
@@ -564,7 +584,6 @@ def build_app(state: ServerState) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.async_engine.start()
         yield
-        await anyio.to_thread.run_sync(state.async_engine.stop)
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -625,12 +644,19 @@ class GaplessServer:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def run(self, sockets: list[socket.socket] | None = None) -> int:
+        """Serves until stopped; 0 after a drain, 1 when a second signal cut it short."""
         asyncio.run(self.serve(sockets))
-        return 0
+        return 1 if self.uvicorn.force_exit else 0
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await self.uvicorn.serve(sockets)
+        try:
+            await self.uvicorn.serve(sockets)
+        finally:
+            # Here rather than in the lifespan, which uvicorn skips on a forced exit: the
+            # engine thread must end before the event loop closes (it posts events to it), and
+            # before the interpreter exits (a thread still inside torch then aborts it).
+            await anyio.to_thread.run_sync(self.state.async_engine.stop)
 
     def shutdown(self) -> None:
         """Stops admission and drains in-flight requests, then the server. Thread-safe."""

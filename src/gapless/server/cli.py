@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from pathlib import Path
 
 log = logging.getLogger("gapless.server")
@@ -116,11 +117,26 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit status."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s"
     )
+    # Until the server takes over signals, SIGTERM ends startup as Ctrl-C does: cleanly, and
+    # not while a thread is inside torch.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _serve(args)
+    except KeyboardInterrupt:
+        log.info("interrupted during startup")
+        return 1
+
+
+def _serve(args: argparse.Namespace) -> int:
     from gapless.engine.engine import Engine, EngineConfig
     from gapless.model.demo import (
         DEMO_MODEL_NAME,

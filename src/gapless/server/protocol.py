@@ -8,18 +8,18 @@ OpenAI clients send extras (user, response_format, ...).
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from gapless.engine.events import TokenLogprob
 from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
-from gapless.model.tokenizer import Tokenizer
+from gapless.model.tokenizer import Tokenizer, is_unicode
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI reports an impossible logprob as -9999.0; JSON has no -Infinity.
 _MIN_LOGPROB = -9999.0
-_INT64 = (-(2**63), 2**63 - 1)
 
 
 class APIError(Exception):
@@ -74,6 +74,28 @@ class ParsedRequest:
 
 
 # -- typed field access --------------------------------------------------------------------
+
+# JSON can escape a lone UTF-16 surrogate, which no Unicode text may hold; only a body that
+# has such an escape needs the walk over all its strings.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def check_unicode(raw: str, body: dict[str, Any]) -> None:
+    """Refuses a body holding a lone surrogate anywhere, naming the field."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return
+    stack: list[tuple[str | None, Any]] = [(None, body)]
+    while stack:
+        name, value = stack.pop()
+        if isinstance(value, str) and not is_unicode(value):
+            raise invalid(f"{name} is not valid Unicode: it holds a lone surrogate", name)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not is_unicode(key):
+                    raise invalid("a field name is not valid Unicode: it holds a lone surrogate")
+                stack.append((key if name is None else f"{name}.{key}", item))
+        elif isinstance(value, list):
+            stack.extend((f"{name}[{i}]", item) for i, item in enumerate(value))
 
 
 def _int(body: dict[str, Any], name: str) -> int | None:
@@ -180,11 +202,11 @@ def _common(
             "context_length_exceeded",
         )
 
-    seed = _int(body, "seed")
-    if seed is not None and not _INT64[0] <= seed <= _INT64[1]:
-        raise invalid("seed must fit in a signed 64-bit integer", "seed")
-
-    fields: dict[str, Any] = {"max_tokens": max_tokens, "seed": seed, "stop": _stop(body)}
+    fields: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "seed": _int(body, "seed"),
+        "stop": _stop(body),
+    }
     for name in (
         "temperature",
         "top_p",
@@ -270,11 +292,31 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _check_text_fits(tokenizer: Tokenizer, num_chars: int, max_model_len: int, param: str) -> None:
+    """Refuses, before tokenizing, a text too long to fit the context with any tokenization:
+    a 15 MB prompt costs nothing, instead of seconds of tokenizing and gigabytes of memory."""
+    if tokenizer.surely_exceeds(num_chars, max_model_len):
+        raise invalid(
+            f"the prompt has {num_chars} characters, more than this model's maximum context "
+            f"length of {max_model_len} tokens can hold",
+            param,
+            "context_length_exceeded",
+        )
+
+
 def parse_chat(body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int) -> ParsedRequest:
     messages = _messages(body)
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise invalid("chat_template_kwargs must be an object", "chat_template_kwargs")
+    if "messages" in template_kwargs:
+        raise invalid(
+            "chat_template_kwargs cannot set `messages`; send them as `messages`",
+            "chat_template_kwargs",
+        )
+    # The rendered prompt holds every message's content.
+    chars = sum(len(m["content"]) for m in messages if m["content"] is not None)
+    _check_text_fits(tokenizer, chars, max_model_len, "messages")
     try:
         prompt_ids = tokenizer.encode_chat(messages, **template_kwargs)
     except ValueError as e:  # no template, or the template rejected the conversation
@@ -295,7 +337,9 @@ def parse_chat(body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int) -
     return ParsedRequest(_model(body), prompt_ids, params, stream, include_usage, logprobs=logprobs)
 
 
-def _prompt(body: dict[str, Any], tokenizer: Tokenizer) -> tuple[list[int], str]:
+def _prompt(
+    body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int
+) -> tuple[list[int], str]:
     """The prompt's ids and text; a batch of one prompt counts as that prompt."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
@@ -309,6 +353,7 @@ def _prompt(body: dict[str, Any], tokenizer: Tokenizer) -> tuple[list[int], str]
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("the prompt is empty", "prompt")
+        _check_text_fits(tokenizer, len(prompt), max_model_len, "prompt")
         return tokenizer.encode(prompt), prompt
     if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         if not prompt:
@@ -317,7 +362,8 @@ def _prompt(body: dict[str, Any], tokenizer: Tokenizer) -> tuple[list[int], str]
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise invalid(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
-        return list(prompt), tokenizer.decode(prompt)
+        # As a string prompt echoes its special tokens, so does a token-id prompt.
+        return list(prompt), tokenizer.decode(prompt, skip_special_tokens=False)
     raise invalid(
         "prompt must be a string, a list of token ids, or a list of one of those", "prompt"
     )
@@ -326,7 +372,7 @@ def _prompt(body: dict[str, Any], tokenizer: Tokenizer) -> tuple[list[int], str]
 def parse_completion(
     body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int
 ) -> ParsedRequest:
-    prompt_ids, prompt_text = _prompt(body, tokenizer)
+    prompt_ids, prompt_text = _prompt(body, tokenizer, max_model_len)
     fields, stream, include_usage = _common(body, len(prompt_ids), "prompt", max_model_len)
     echo = bool(_bool(body, "echo"))
     logprobs = _int(body, "logprobs")
