@@ -450,6 +450,21 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str, str | None, str | None, str | 
     ("seed wrong type", COMPLETIONS, {"prompt": "a", "seed": "lucky"}, 400, "invalid_request_error", "seed", None, None),
     ("stream_options wrong type", CHAT, {"messages": HELLO, "stream": True, "stream_options": 1}, 400, "invalid_request_error", "stream_options", None, None),
     ("unknown route", "/v1/embeddings", {"input": "x"}, 404, "not_found_error", None, None, None),
+    # Fields a client controls are bounded at admission, never in the batched step.
+    ("top_k past int64", COMPLETIONS, {"prompt": "a", "top_k": 10**20}, 400, "invalid_request_error", "top_k", None, "vocabulary"),
+    ("top_k 2**63 chat", CHAT, {"messages": HELLO, "top_k": 2**63}, 400, "invalid_request_error", "top_k", None, "vocabulary"),
+    ("top_k past vocab", COMPLETIONS, {"prompt": "a", "top_k": 513}, 400, "invalid_request_error", "top_k", None, "512"),
+    ("seed past 64 bits", COMPLETIONS, {"prompt": "a", "seed": 2**64}, 400, "invalid_request_error", "seed", None, "64-bit"),
+    ("too many stop strings", COMPLETIONS, {"prompt": "a", "stop": [f"s{i}" for i in range(1000)]}, 400, "invalid_request_error", "stop", None, "at most 32"),
+    ("stop string too long", CHAT, {"messages": HELLO, "stop": ["x" * 257]}, 400, "invalid_request_error", "stop", None, "256"),
+    ("stop_token_ids outside vocab", COMPLETIONS, {"prompt": "a", "stop_token_ids": [7, 10**30]}, 400, "invalid_request_error", "stop_token_ids", None, None),
+    ("too many stop_token_ids", COMPLETIONS, {"prompt": "a", "stop_token_ids": [5] * 1025}, 400, "invalid_request_error", "stop_token_ids", None, "1024"),
+    ("lone surrogate prompt", COMPLETIONS, b'{"prompt": "def f(\\ud800):"}', 400, "invalid_request_error", "prompt", None, "surrogate"),
+    ("lone surrogate chat", CHAT, b'{"messages": [{"role": "user", "content": "x\\ud800y"}]}', 400, "invalid_request_error", "messages[0].content", None, "surrogate"),
+    ("template kwargs set messages", CHAT, {"messages": HELLO, "chat_template_kwargs": {"messages": []}}, 400, "invalid_request_error", "chat_template_kwargs", None, None),
+    # Refused by its length in characters, before any tokenizing.
+    ("huge text prompt", COMPLETIONS, {"prompt": "x = 1; " * 30000}, 400, "invalid_request_error", "prompt", "context_length_exceeded", "210000 characters"),
+    ("huge chat message", CHAT, {"messages": [{"role": "user", "content": "y" * 200000}]}, 400, "invalid_request_error", "messages", "context_length_exceeded", "characters"),
 ]  # fmt: skip
 
 

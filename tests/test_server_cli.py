@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -48,28 +49,45 @@ class ServerProcess:
             if match := re.search(pattern, line):
                 return match
 
+    def rest_of_log(self) -> str:
+        """Everything the process printed, once it has exited."""
+        while (line := self.lines.get(timeout=30)) is not None:
+            self.log.append(line)
+        return "".join(self.log)
+
 
 @pytest.fixture
-def demo_server(tmp_path: Path) -> Iterator[ServerProcess]:
+def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """`start_server(*args)`: the demo model served with these extra flags."""
     # The demo checkpoint is built into this cache, not the user's.
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("GAPLESS_API_KEY", None)
-    server = ServerProcess(
-        ["--dtype", "float32", "--device", "cpu", "--shutdown-grace", "0.2"], env
-    )
-    try:
-        yield server
-    finally:
+    started: list[ServerProcess] = []
+
+    def start(*args: str) -> ServerProcess:
+        started.append(ServerProcess(["--dtype", "float32", "--device", "cpu", *args], env))
+        return started[-1]
+
+    yield start
+    for server in started:
         if server.proc.poll() is None:
             server.proc.kill()
             server.proc.wait()
 
 
+@pytest.fixture
+def demo_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+    return start_server("--shutdown-grace", "0.2")
+
+
+def _port(server: ServerProcess) -> int:
+    return int(server.wait_for_line(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")[1])
+
+
 def test_demo_model_then_sigterm(demo_server: ServerProcess) -> None:
     announced = demo_server.wait_for_line(r"no MODEL_DIR given")
     assert DEMO_MODEL_NAME in announced.string
-    port = int(demo_server.wait_for_line(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")[1])
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{_port(demo_server)}"
     [model] = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
     assert model["id"] == DEMO_MODEL_NAME
 
@@ -103,3 +121,41 @@ def test_missing_model_dir_exits_2(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "is not a directory" in result.stderr
+
+
+def test_a_second_sigterm_during_the_drain_exits_at_once_and_cleanly(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    # One request at a time and 16 of them, so the drain has seconds of work in flight.
+    server = start_server("--shutdown-grace", "120", "--max-num-seqs", "1")
+    url = f"http://127.0.0.1:{_port(server)}"
+    body = {"prompt": "def f(x):", "max_tokens": 500, "ignore_eos": True}
+
+    def send() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # cut off by the exit
+            httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+    clients = [threading.Thread(target=send, daemon=True) for _ in range(16)]
+    for client in clients:
+        client.start()
+    deadline = time.monotonic() + 60
+    while "gapless_requests_waiting 15" not in httpx.get(f"{url}/metrics").text:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    server.proc.send_signal(signal.SIGTERM)
+    server.wait_for_line(r"shutting down: 16 request\(s\) in flight")
+    server.proc.send_signal(signal.SIGTERM)
+    status = server.proc.wait(timeout=30)  # at once, not after the grace period
+    log = server.rest_of_log()
+    assert status in (0, 1), log  # never -6 (SIGABRT)
+    assert "terminate called" not in log and "Traceback" not in log, log
+
+
+def test_sigterm_during_startup_exits_cleanly(start_server: Callable[..., ServerProcess]) -> None:
+    server = start_server()
+    server.wait_for_line(r"no MODEL_DIR given")  # logged before the model loads
+    server.proc.send_signal(signal.SIGTERM)
+    status = server.proc.wait(timeout=60)
+    log = server.rest_of_log()
+    assert status in (0, 1), log
+    assert "terminate called" not in log and "Traceback" not in log, log

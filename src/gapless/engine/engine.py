@@ -34,7 +34,7 @@ class RequestError(ValueError):
     """A request that can never run; `param` names the offending field."""
 
     def __init__(
-        self, message: str, param: str | None = None, code: str = "invalid_request"
+        self, message: str, param: str | None = None, code: str | None = "invalid_request"
     ) -> None:
         super().__init__(message)
         self.param = param
@@ -221,7 +221,7 @@ class Engine:
         try:
             params.check_vocab(self.decoder.config.vocab_size)
         except SamplingParamsError as e:
-            raise RequestError(str(e), e.param) from e
+            raise RequestError(str(e), e.param, code=None) from e
         if not ids:
             raise RequestError("the prompt is empty", "prompt")
         if len(ids) >= self.max_model_len:
@@ -391,6 +391,8 @@ class Engine:
         now = time.monotonic()
         p = req.params
         req.output_ids.append(token)
+        if req.token_counts is not None:
+            req.token_counts.add(token)
         req.state = RequestState.DECODING
         if req.first_token_time is None:
             req.first_token_time = now

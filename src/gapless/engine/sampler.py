@@ -12,9 +12,10 @@ from gapless.engine.sampling_params import SamplingParams
 
 
 class TokenCounts:
-    """A penalised request's tokens as counts over the vocabulary, kept up to date as it
-    generates: penalties then cost one pass over the vocabulary per step, however long the
-    prompt and the output grow."""
+    """A penalised request's tokens as counts over the vocabulary, which the engine updates
+    as it appends tokens: penalties then cost one pass over the vocabulary per step, however
+    long the prompt and the output grow. (sample() itself changes no request state but the
+    seeded generators, so a failed call can be retried.)"""
 
     def __init__(
         self, prompt_ids: Sequence[int], output_ids: Sequence[int], vocab: int, device: torch.device
@@ -134,8 +135,6 @@ def sample(requests: list[Request], logits: torch.Tensor) -> list[tuple[int, Tok
         if req.params.logprobs is not None:
             info = top_logprobs(raw[i].log_softmax(-1), tokens[i], req.params.logprobs)
         results.append((tokens[i], info))
-    for i in penalised:  # last, so that a failed call has counted nothing
-        requests[i].token_counts.add(tokens[i])
     return results
 
 

@@ -610,10 +610,13 @@ class _Uvicorn(uvicorn.Server):
         self.owner = owner
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        # uvicorn would stop at once and re-raise the signal on exit (exit status 143); a first
-        # signal drains instead, a second one stops now.
-        if self.owner.state.draining:
+        # uvicorn would stop at once and re-raise the signal on exit (exit status 143). Here a
+        # first signal drains; a second cuts the drain short, cancelling what is in flight
+        # so every stream still ends properly; a third gives up on that too.
+        if self.owner.cut_short.is_set():
             self.should_exit = self.force_exit = True
+        elif self.owner.state.draining:
+            self.owner.stop_now()
         else:
             self.owner.shutdown()
 
@@ -642,11 +645,12 @@ class GaplessServer:
         )
         self.uvicorn = _Uvicorn(config, self)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.cut_short = asyncio.Event()  # the drain is to cancel everything now
 
     def run(self, sockets: list[socket.socket] | None = None) -> int:
         """Serves until stopped; 0 after a drain, 1 when a second signal cut it short."""
         asyncio.run(self.serve(sockets))
-        return 1 if self.uvicorn.force_exit else 0
+        return 1 if self.cut_short.is_set() else 0
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -666,6 +670,12 @@ class GaplessServer:
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._begin_drain)
 
+    def stop_now(self) -> None:
+        """Ends the drain early: in-flight requests are cancelled at once. Thread-safe."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self.cut_short.set)
+
     def _begin_drain(self) -> None:
         if self.state.draining:
             return
@@ -676,18 +686,20 @@ class GaplessServer:
         state = self.state
         grace = state.settings.shutdown_grace_s
         log.info("shutting down: %d request(s) in flight, %.0f s to finish", len(state.live), grace)
-        try:
-            async with asyncio.timeout(grace):
-                await state.idle.wait()
-        except TimeoutError:
-            log.warning(
-                "cancelling %d request(s) still running after %.0f s", len(state.live), grace
-            )
+        if not await self._until_idle(grace, or_cut_short=True):
+            log.warning("cancelling %d request(s) still running", len(state.live))
             for request_id in list(state.live):
                 state.async_engine.cancel(request_id)
-            try:
-                async with asyncio.timeout(5):
-                    await state.idle.wait()
-            except TimeoutError:
+            if not await self._until_idle(5):
                 log.error("%d request(s) did not end after cancellation", len(state.live))
         self.uvicorn.should_exit = True
+
+    async def _until_idle(self, timeout: float, or_cut_short: bool = False) -> bool:
+        """Waits up to timeout for no request to be in flight; True if none is."""
+        waits = [asyncio.ensure_future(self.state.idle.wait())]
+        if or_cut_short:
+            waits.append(asyncio.ensure_future(self.cut_short.wait()))
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
+        return self.state.idle.is_set()
