@@ -17,7 +17,7 @@ from server_fixture import MODEL, RunningServer, running_server
 
 from gapless import Engine, EngineConfig, SamplingParams
 from gapless.engine import engine as engine_module
-from gapless.engine.events import FinishedEvent, TokenEvent
+from gapless.engine.events import TokenEvent
 from gapless.server.app import ServerSettings
 
 COMPLETIONS = "/v1/completions"
@@ -211,11 +211,27 @@ def _add_all(engine: Engine) -> list[str]:
     return [engine.add_request(p, params) for p, params in zip(prompts, PARAMS, strict=True)]
 
 
+def _clean_tokens(engine: Engine) -> list[list[int]]:
+    """Each request's tokens when nothing fails, in the order _add_all adds them."""
+    ids = _add_all(engine)
+    events = _run(engine)
+    return [_tokens(events[i]) for i in ids]
+
+
+def _assert_unharmed(
+    faulty: dict[str, list[Any]], ids: list[str], clean: list[list[int]], victim: str
+) -> None:
+    assert faulty[victim][-1].finish_reason == "error"
+    for mine, expected in zip(ids, clean, strict=True):
+        if mine != victim:
+            assert _tokens(faulty[mine]) == expected
+            assert faulty[mine][-1].finish_reason == "length"
+
+
 def test_a_sampler_fault_in_one_row_fails_only_that_request(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clean_ids = _add_all(engine)
-    clean = _run(engine)
+    clean = _clean_tokens(engine)
     ids = _add_all(engine)
     victim = ids[0]
     real_sample = engine_module.sample
@@ -228,20 +244,15 @@ def test_a_sampler_fault_in_one_row_fails_only_that_request(
 
     monkeypatch.setattr(engine_module, "sample", faulty_sample)
     faulty = _run(engine)
-    finished = faulty[victim][-1]
-    assert isinstance(finished, FinishedEvent)
-    assert finished.finish_reason == "error" and "injected sampler fault" in finished.error
-    for mine, theirs in zip(ids[1:], clean_ids[1:], strict=True):
-        assert _tokens(faulty[mine]) == _tokens(clean[theirs])
-        assert faulty[mine][-1].finish_reason == "length"
+    _assert_unharmed(faulty, ids, clean, victim)
+    assert "injected sampler fault" in faulty[victim][-1].error
     assert engine.pool.num_used == 0
 
 
 def test_a_forward_fault_in_one_chunk_fails_only_that_request(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clean_ids = _add_all(engine)
-    clean = _run(engine)
+    clean = _clean_tokens(engine)
     ids = _add_all(engine)
     victim = ids[1]
     real_execute = engine.runner.execute
@@ -253,9 +264,8 @@ def test_a_forward_fault_in_one_chunk_fails_only_that_request(
 
     monkeypatch.setattr(engine.runner, "execute", faulty_execute)
     faulty = _run(engine)
-    assert faulty[victim][-1].finish_reason == "error"
-    for mine, theirs in zip([ids[0], ids[2]], [clean_ids[0], clean_ids[2]], strict=True):
-        assert _tokens(faulty[mine]) == _tokens(clean[theirs])
+    _assert_unharmed(faulty, ids, clean, victim)
+    assert "injected forward fault" in faulty[victim][-1].error
     assert engine.pool.num_used == 0
 
 
