@@ -227,6 +227,7 @@ async def run_requests(
     use_text: bool = False,
     timeout_s: float = 600.0,
     show_progress: bool = True,
+    desc: str = "requests",
 ) -> tuple[list[RequestRecord], float]:
     """Send each request at its arrival offset; returns records (by rid) and the duration."""
     t0 = time.perf_counter()
@@ -234,9 +235,7 @@ async def run_requests(
     async with httpx.AsyncClient(
         base_url=url.rstrip("/"), timeout=timeout_s, limits=limits
     ) as client:
-        with tqdm(
-            total=len(requests), desc="requests", unit="req", disable=not show_progress
-        ) as bar:
+        with tqdm(total=len(requests), desc=desc, unit="req", disable=not show_progress) as bar:
 
             async def one(req: BenchRequest) -> RequestRecord:
                 await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - t0)))

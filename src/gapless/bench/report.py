@@ -24,6 +24,7 @@ TABLE_ROWS = [
     ("goodput", "goodput (req/s)", ".3f"),
     ("ttft_ms_p50", "TTFT p50 (ms)", ".1f"),
     ("ttft_ms_p99", "TTFT p99 (ms)", ".1f"),
+    ("sched_delay_ms_p50", "scheduling delay p50 (ms)", ".1f"),
     ("tpot_ms_p50", "TPOT p50 (ms)", ".1f"),
     ("tpot_ms_p99", "TPOT p99 (ms)", ".1f"),
     ("itl_ms_p50", "ITL p50 (ms)", ".1f"),
