@@ -1,5 +1,6 @@
-"""End-to-end runs of `gapless bench`: against a fake SSE server (client, CLI, outputs), and
-`--compare` against our real server on a tiny random checkpoint."""
+"""End-to-end runs of `gapless bench`: against a fake SSE server (client, CLI, outputs, a trial
+cut at its deadline), and `--compare` and `capacity` against our real server on a tiny random
+checkpoint."""
 
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from gapless.bench.capacity import CapacitySLO, run_trial
 from gapless.bench.cli import add_bench_parser
 from gapless.bench.compare import free_port
 from gapless.bench.make_model import model_config, tensor_shapes, write_random_safetensors
 from gapless.bench.metrics import compute_metrics
 from gapless.bench.report import TABLE_ROWS
+from gapless.bench.workloads import WorkloadSpec
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Every metric the stall workload must produce (goodput because the tests pass --slo).
@@ -250,3 +253,50 @@ def test_compare_on_tiny_checkpoint(tmp_path):
     assert sum(label in table for _, label, _ in TABLE_ROWS) >= 15
     _assert_png(out / "timeline.png")
     _assert_png(out / "itl_cdf.png")
+
+
+def test_capacity_on_tiny_checkpoint(tmp_path):
+    ckpt = tmp_path / "tiny"
+    assert bench(["make-model", str(ckpt), "--preset", "tiny", "--seed", "0"]) == 0
+    out = tmp_path / "out"
+    # A 1 ms SLO no server meets and a 60 s one every server does: both searches run to an end
+    # of the rate range, and the test asserts no timing.
+    argv = [
+        *("capacity", "--compare", "chunk16=--prefill-chunk 16", "--model-dir", str(ckpt)),
+        *("--model", "tiny", "--server-timeout", "60", "--length-scale", "0.02"),
+        *("--requests-per-trial", "8", "--trial-timeout-s", "20", "--slo-tbt-ms", "60000,1"),
+        *("--max-sched-delay-s", "60", "--start-qps", "4", "--min-qps", "2", "--max-qps", "8"),
+        *("--out", str(out)),
+    ]
+    assert bench(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["slo_tbt_ms"] == [1.0, 60000.0]
+    system = results["systems"]["chunk16"]
+    assert system["server_flags"] == "--prefill-chunk 16"
+    # Read from the server's /v1/models: the checkpoint's own context.
+    context = json.loads((ckpt / "config.json").read_text())["max_position_embeddings"]
+    assert system["max_model_len"] == context
+    assert set(system["capacity_qps"]) == {"1.0", "60000.0"}
+    assert system["capacity_qps"]["1.0"] is None
+    assert system["capacity_qps"]["60000.0"] == 8.0
+    # Searches share trials: 4 first, then up to 8 and down to 2, one trial each.
+    trials = system["trials"]
+    assert [t["qps"] for t in trials] == [2.0, 4.0, 8.0]
+    for t in trials:
+        assert not t["fell_behind"] and t["tbt_ms_p99"] is not None
+        assert t["metrics"]["completed"] == t["metrics"]["num_requests"] > 0
+        assert set(t["metrics"]["goodput_by_slo_tbt_ms"]) == {"1.0", "60000.0"}
+        assert t["metrics"]["sched_delay_ms_p50"] is not None
+    table = (out / "table.md").read_text()
+    assert "| chunk16 | - | 8 |" in table
+    _assert_png(out / "capacity.png")
+
+
+def test_a_trial_ends_at_its_deadline_when_the_server_falls_behind(fake_server):
+    # Outputs of ~1,200 tokens at 10 ms each take the fake server ~12 s; the trial ends at 1 s.
+    spec = WorkloadSpec("chat", vocab_size=512, rate=8.0, num_requests=4, length_scale=3.0)
+    start = time.perf_counter()
+    result = run_trial(fake_server, "fake", spec, 1.0, [CapacitySLO(1e9, 1e9)])
+    assert time.perf_counter() - start < 6.0
+    assert result.fell_behind and not result.meets(CapacitySLO(1e9, 1e9))
+    assert result.metrics["cancelled"] == result.metrics["num_requests"] > 0

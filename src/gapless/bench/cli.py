@@ -1,5 +1,6 @@
 """`gapless bench`: run a seeded workload against an OpenAI-compatible server, or against our
-own server under several configurations (`--compare`), and write results, a table and plots."""
+own server under several configurations (`--compare`), and write results, a table and plots.
+`gapless bench capacity` searches each one's highest sustainable request rate."""
 
 from __future__ import annotations
 
@@ -7,23 +8,31 @@ import argparse
 import asyncio
 import json
 import sys
-from dataclasses import asdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
-from gapless.bench.client import RequestRecord, run_requests
+from gapless.bench import capacity
+from gapless.bench.client import RequestRecord, run_requests, served_max_model_len
 from gapless.bench.compare import ServerError, ServerProcess, parse_configs
 from gapless.bench.metrics import compute_metrics, parse_slo
-from gapless.bench.report import format_table, plot_itl_cdf, plot_timeline
+from gapless.bench.report import format_table, plot_capacity, plot_itl_cdf, plot_timeline
 from gapless.bench.roofline import add_roofline_parser
-from gapless.bench.workloads import WORKLOADS, BenchRequest, WorkloadSpec, build_workload
+from gapless.bench.workloads import (
+    CHAT_OUTPUT_LOGNORMAL,
+    CHAT_PROMPT_LOGNORMAL,
+    WORKLOADS,
+    BenchRequest,
+    WorkloadSpec,
+    build_workload,
+)
 
 DEFAULT_VOCAB = 32000
 
 
-def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "bench", help="benchmark a streaming /v1/completions server", description=__doc__
-    )
+def _add_target_args(p: argparse.ArgumentParser) -> None:
     target = p.add_argument_group("target")
     target.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000")
     target.add_argument("--model", help="model name sent in requests (compare: served name)")
@@ -40,17 +49,50 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         default=300.0,
         help="seconds to wait for a compared server's /health",
     )
-
-    wl = p.add_argument_group("workload")
-    wl.add_argument("--workload", choices=WORKLOADS, default="stall")
-    wl.add_argument("--seed", type=int, default=0)
-    wl.add_argument(
+    target.add_argument(
         "--vocab-size",
         type=int,
         default=None,
         help=f"prompt ids are drawn from [100, vocab); default: the checkpoint's "
         f"in --compare mode, else {DEFAULT_VOCAB}",
     )
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    client = p.add_argument_group("client")
+    client.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="omit ignore_eos for servers that reject it",
+    )
+    client.add_argument(
+        "--prompt-format",
+        choices=("ids", "text"),
+        default="ids",
+        help="send prompts as token-id lists or as (approximate) text",
+    )
+    client.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed short requests before each run, so one-off start-up costs "
+        "do not land in the first measured request",
+    )
+    client.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds per request (httpx)"
+    )
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench", help="benchmark a streaming /v1/completions server", description=__doc__
+    )
+    _add_target_args(p)
+
+    wl = p.add_argument_group("workload")
+    wl.add_argument("--workload", choices=WORKLOADS, default="stall")
+    wl.add_argument("--seed", type=int, default=0)
     wl.add_argument("--num-streams", type=int, default=4, help="stall: decoding streams")
     wl.add_argument("--stream-tokens", type=int, default=256, help="stall: tokens per stream")
     wl.add_argument("--long-tokens", type=int, default=8192, help="stall: long prompt length")
@@ -62,35 +104,89 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     run = p.add_argument_group("run")
     run.add_argument("--slo", help="goodput SLOs in ms, e.g. ttft:500,itl:100 (itl checks TPOT)")
     run.add_argument("--out", type=Path, default=None, help="output dir (default results/WORKLOAD)")
-    run.add_argument(
-        "--no-ignore-eos",
-        dest="ignore_eos",
-        action="store_false",
-        help="omit ignore_eos for servers that reject it",
-    )
-    run.add_argument(
-        "--prompt-format",
-        choices=("ids", "text"),
-        default="ids",
-        help="send prompts as token-id lists or as (approximate) text",
-    )
-    run.add_argument(
-        "--warmup",
-        type=int,
-        default=1,
-        help="untimed short requests before each run, so one-off start-up costs "
-        "do not land in the first measured request",
-    )
-    run.add_argument("--request-timeout", type=float, default=600.0)
+    _add_client_args(p)
     p.set_defaults(func=bench_main)
 
-    sub = p.add_subparsers(dest="bench_command", metavar="{make-model,roofline}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{make-model,roofline,capacity}")
     mm = sub.add_parser("make-model", help="write a seeded random-weight Qwen2 checkpoint")
     mm.add_argument("out_dir", type=Path)
     mm.add_argument("--preset", choices=("qwen2.5-0.5b", "tiny"), default="qwen2.5-0.5b")
     mm.add_argument("--seed", type=int, default=0)
     mm.set_defaults(func=make_model_main)
     add_roofline_parser(sub)
+    _add_capacity_parser(sub)
+
+
+def _add_capacity_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "capacity",
+        help="the highest request rate a server sustains under a P99 TBT SLO",
+        description="Binary-search, per system and per SLO, the highest Poisson arrival rate "
+        "at which the P99 time between tokens stays within the SLO and the median scheduling "
+        "delay within its bound. Writes results.json, table.md and capacity.png to --out.",
+    )
+    _add_target_args(p)
+    wl = p.add_argument_group("workload: seeded Poisson arrivals of synthetic chat requests")
+    wl.add_argument(
+        "--seed", type=int, default=0, help="seeds arrivals, lengths and prompt ids (%(default)s)"
+    )
+    wl.add_argument(
+        "--length-scale",
+        type=float,
+        default=1.0,
+        help="scale prompt and output lengths (median 1730 and 415 tokens at 1; "
+        "default %(default)s), e.g. 0.25",
+    )
+    wl.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="clip prompt + output to this context; default: the server's max_model_len "
+        "from /v1/models",
+    )
+    search = p.add_argument_group("search")
+    search.add_argument(
+        "--slo-tbt-ms",
+        default="250",
+        help="P99 time-between-tokens SLOs in ms, comma-separated: one capacity each "
+        "(default %(default)s)",
+    )
+    search.add_argument(
+        "--max-sched-delay-s",
+        type=float,
+        default=2.0,
+        help="bound on the median scheduling delay, send to first byte (%(default)s s)",
+    )
+    search.add_argument(
+        "--start-qps", type=float, default=1.0, help="rate of the first trial (%(default)s req/s)"
+    )
+    search.add_argument(
+        "--min-qps", type=float, default=0.01, help="lowest rate tried (%(default)s)"
+    )
+    search.add_argument(
+        "--max-qps", type=float, default=100.0, help="highest rate tried (%(default)s)"
+    )
+    search.add_argument(
+        "--step", type=float, default=0.05, help="relative precision of the capacity (%(default)s)"
+    )
+    search.add_argument(
+        "--requests-per-trial",
+        type=int,
+        default=64,
+        help="requests in a trial, at most (%(default)s)",
+    )
+    search.add_argument(
+        "--trial-timeout-s",
+        type=float,
+        default=600.0,
+        help="a trial's time bound in s (%(default)s): arrivals stop at half of it, and "
+        "requests unfinished at its end are cut and make the trial over capacity",
+    )
+    search.add_argument(
+        "--out", type=Path, default=Path("results/capacity"), help="output directory (%(default)s)"
+    )
+    _add_client_args(p)
+    p.set_defaults(func=capacity_main)
 
 
 def make_model_main(args: argparse.Namespace) -> int:
@@ -128,40 +224,55 @@ def _spec(args: argparse.Namespace, vocab: int) -> WorkloadSpec:
     )
 
 
-def _run(
-    args: argparse.Namespace, url: str, model: str, requests: list[BenchRequest]
-) -> tuple[list[RequestRecord], float]:
-    common = dict(
+def _targets(args: argparse.Namespace) -> tuple[dict[str, list[str] | None], str, int]:
+    """{name: server flags, None for --url}, the model name and the prompt vocabulary."""
+    if args.compare:
+        if args.model_dir is None:
+            raise ValueError("--compare needs --model-dir")
+        model = args.model or args.model_dir.resolve().name
+        return parse_configs(args.compare), model, args.vocab_size or _served_vocab(args.model_dir)
+    if not args.url or not args.model:
+        raise ValueError("give --url and --model, or --compare with --model-dir")
+    return {"default": None}, args.model, args.vocab_size or DEFAULT_VOCAB
+
+
+@contextmanager
+def _serving(
+    args: argparse.Namespace, name: str, flags: list[str] | None, model: str, out: Path
+) -> Iterator[str]:
+    """The URL to measure: --url, or our server started with `flags` until the block ends."""
+    if flags is None:
+        yield args.url
+        return
+    with ServerProcess(args.model_dir, flags, model, out / f"server-{name}.log") as server:
+        server.start(args.server_timeout)
+        yield server.url
+
+
+def _client_options(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
         ignore_eos=args.ignore_eos,
         use_text=args.prompt_format == "text",
         timeout_s=args.request_timeout,
     )
-    if args.warmup > 0:
-        warm = [BenchRequest(-1 - i, 0.0, requests[0].prompt[:8], 4) for i in range(args.warmup)]
-        records, _ = asyncio.run(run_requests(url, model, warm, show_progress=False, **common))
-        if errors := [r.error for r in records if r.error]:
-            raise ServerError(f"warm-up request failed: {errors[0]}")
-    return asyncio.run(run_requests(url, model, requests, **common))
+
+
+def _warm_up(args: argparse.Namespace, url: str, model: str, prompt: list[int]) -> None:
+    warm = [BenchRequest(-1 - i, 0.0, prompt[:8], 4) for i in range(args.warmup)]
+    records, _ = asyncio.run(
+        run_requests(url, model, warm, show_progress=False, **_client_options(args))
+    )
+    if errors := [r.error for r in records if r.error]:
+        raise ServerError(f"warm-up request failed: {errors[0]}")
 
 
 def bench_main(args: argparse.Namespace) -> int:
     try:
         slo = parse_slo(args.slo)
+        configs, model, vocab = _targets(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.compare:
-        if args.model_dir is None:
-            print("error: --compare needs --model-dir", file=sys.stderr)
-            return 2
-        configs = parse_configs(args.compare)
-        model = args.model or args.model_dir.resolve().name
-        vocab = args.vocab_size or _served_vocab(args.model_dir)
-    else:
-        if not args.url or not args.model:
-            print("error: give --url and --model, or --compare with --model-dir", file=sys.stderr)
-            return 2
-        configs, model, vocab = {"default": None}, args.model, args.vocab_size or DEFAULT_VOCAB
     out = args.out or Path("results") / args.workload
     out.mkdir(parents=True, exist_ok=True)
     spec = _spec(args, vocab)
@@ -175,16 +286,11 @@ def bench_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         try:
-            if flags is None:
-                url = args.url
-                records, duration = _run(args, url, model, requests)
-            else:
-                with ServerProcess(
-                    args.model_dir, flags, model, out / f"server-{name}.log"
-                ) as server:
-                    server.start(args.server_timeout)
-                    url = server.url
-                    records, duration = _run(args, url, model, requests)
+            with _serving(args, name, flags, model, out) as url:
+                _warm_up(args, url, model, requests[0].prompt)
+                records, duration = asyncio.run(
+                    run_requests(url, model, requests, **_client_options(args))
+                )
         except ServerError as exc:
             print(f"error: {name}: {exc}", file=sys.stderr)
             return 1
@@ -218,3 +324,141 @@ def bench_main(args: argparse.Namespace) -> int:
     print(f"wrote {out}/results.json, table.md, timeline.png, itl_cdf.png", file=sys.stderr)
     failed = sum(r["metrics"]["failed"] for r in runs.values())
     return 1 if failed else 0
+
+
+def _capacity_table(capacities: dict[str, dict[float, float | None]]) -> str:
+    slos = sorted({slo for caps in capacities.values() for slo in caps})
+    lines = [
+        "| system | " + " | ".join(f"capacity @ P99 TBT {s:g} ms (req/s)" for s in slos) + " |",
+        "|---|" + "---:|" * len(slos),
+    ]
+    for name, caps in capacities.items():
+        cells = ["-" if caps[s] is None else f"{caps[s]:.3g}" for s in slos]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _measure_capacity(
+    args: argparse.Namespace,
+    url: str,
+    model: str,
+    spec: WorkloadSpec,
+    slos: list[capacity.CapacitySLO],
+) -> tuple[dict[float, capacity.TrialResult], dict[float, float | None]]:
+    """One system's trials (by rate) and its capacity under each SLO. The searches share
+    trials: a seeded trial at a given rate is the same experiment whichever SLO asks."""
+    trials: dict[float, capacity.TrialResult] = {}
+
+    def trial(qps: float) -> capacity.TrialResult:
+        if qps not in trials:
+            trials[qps] = result = capacity.run_trial(
+                url,
+                model,
+                replace(spec, rate=qps),
+                args.trial_timeout_s,
+                slos,
+                **_client_options(args),
+            )
+            tbt, delay = result.tbt_ms_p99, result.sched_delay_s_p50
+            print(
+                f"   {qps:.4g} req/s: P99 TBT {'-' if tbt is None else f'{tbt:.1f}'} ms, "
+                f"median scheduling delay {'-' if delay is None else f'{delay:.2f}'} s"
+                + (", fell behind" if result.fell_behind else ""),
+                file=sys.stderr,
+            )
+        return trials[qps]
+
+    found = {
+        slo.tbt_ms: capacity.find_capacity(
+            trial, slo, args.start_qps, args.min_qps, args.max_qps, args.step
+        )
+        for slo in slos
+    }
+    return trials, found
+
+
+def capacity_main(args: argparse.Namespace) -> int:
+    try:
+        tbts = sorted(float(v) for v in args.slo_tbt_ms.split(","))
+        configs, model, vocab = _targets(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not 0 < args.min_qps <= args.max_qps or args.step <= 0:
+        print("error: need 0 < --min-qps <= --max-qps and --step > 0", file=sys.stderr)
+        return 2
+    slos = [capacity.CapacitySLO(t, args.max_sched_delay_s) for t in tbts]
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    systems: dict[str, dict] = {}
+    trials_by_system: dict[str, list[capacity.TrialResult]] = {}
+    capacities: dict[str, dict[float, float | None]] = {}
+    for name, flags in configs.items():
+        print(f"== {name}: capacity search, SLOs {args.slo_tbt_ms} ms", file=sys.stderr)
+        try:
+            with _serving(args, name, flags, model, args.out) as url:
+                context = args.max_model_len or served_max_model_len(url, model)
+                if context is None:
+                    print(
+                        f"error: {name} reports no max_model_len; give --max-model-len",
+                        file=sys.stderr,
+                    )
+                    return 2
+                spec = WorkloadSpec(
+                    "chat",
+                    seed=args.seed,
+                    vocab_size=vocab,
+                    num_requests=args.requests_per_trial,
+                    length_scale=args.length_scale,
+                    max_model_len=context,
+                )
+                _warm_up(args, url, model, build_workload(spec)[0].prompt)
+                trials, found = _measure_capacity(args, url, model, spec, slos)
+        except (ServerError, capacity.TrialError) as exc:
+            print(f"error: {name}: {exc}", file=sys.stderr)
+            return 1
+        trials_by_system[name] = sorted(trials.values(), key=lambda t: t.qps)
+        capacities[name] = found
+        systems[name] = {
+            "server_flags": None if flags is None else " ".join(flags),
+            "url": url,
+            "max_model_len": context,
+            "capacity_qps": {str(t): q for t, q in found.items()},
+            "trials": [asdict(t) for t in trials_by_system[name]],
+        }
+
+    results = {
+        "config": {
+            "workload": {
+                "name": "chat",
+                "seed": args.seed,
+                "vocab_size": vocab,
+                "requests_per_trial": args.requests_per_trial,
+                "length_scale": args.length_scale,
+                "prompt_lognormal_mu_sigma": CHAT_PROMPT_LOGNORMAL,
+                "output_lognormal_mu_sigma": CHAT_OUTPUT_LOGNORMAL,
+            },
+            "model": model,
+            "url": args.url,
+            "model_dir": None if args.model_dir is None else str(args.model_dir),
+            "slo_tbt_ms": tbts,
+            "max_sched_delay_s": args.max_sched_delay_s,
+            "search": {
+                "start_qps": args.start_qps,
+                "min_qps": args.min_qps,
+                "max_qps": args.max_qps,
+                "step": args.step,
+                "trial_timeout_s": args.trial_timeout_s,
+            },
+            "ignore_eos": args.ignore_eos,
+            "prompt_format": args.prompt_format,
+        },
+        "systems": systems,
+    }
+    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    table = _capacity_table(capacities)
+    (args.out / "table.md").write_text(table)
+    plot_capacity(trials_by_system, capacities, args.out / "capacity.png")
+    print(table)
+    print(f"wrote {args.out}/results.json, table.md, capacity.png", file=sys.stderr)
+    return 0

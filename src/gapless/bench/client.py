@@ -227,6 +227,7 @@ async def run_requests(
     use_text: bool = False,
     timeout_s: float = 600.0,
     show_progress: bool = True,
+    desc: str = "requests",
 ) -> tuple[list[RequestRecord], float]:
     """Send each request at its arrival offset; returns records (by rid) and the duration."""
     t0 = time.perf_counter()
@@ -234,9 +235,7 @@ async def run_requests(
     async with httpx.AsyncClient(
         base_url=url.rstrip("/"), timeout=timeout_s, limits=limits
     ) as client:
-        with tqdm(
-            total=len(requests), desc="requests", unit="req", disable=not show_progress
-        ) as bar:
+        with tqdm(total=len(requests), desc=desc, unit="req", disable=not show_progress) as bar:
 
             async def one(req: BenchRequest) -> RequestRecord:
                 await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - t0)))
@@ -249,3 +248,17 @@ async def run_requests(
             records = await asyncio.gather(*(one(r) for r in requests))
     duration = time.perf_counter() - t0
     return sorted(records, key=lambda r: r.rid), duration
+
+
+def served_max_model_len(url: str, model: str, timeout_s: float = 30.0) -> int | None:
+    """The context length the server reports for `model` in /v1/models (ours and vLLM give
+    `max_model_len`); None if it reports none."""
+    try:
+        resp = httpx.get(url.rstrip("/") + "/v1/models", timeout=timeout_s)
+        resp.raise_for_status()
+        cards = resp.json().get("data") or []
+    except (httpx.HTTPError, ValueError):
+        return None
+    card = next((c for c in cards if c.get("id") == model), None)
+    value = None if card is None else card.get("max_model_len")
+    return int(value) if value else None

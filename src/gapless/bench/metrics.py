@@ -4,6 +4,9 @@ definitions of `vllm bench serve`:
 - TTFT: first token arrival - send time.
 - TPOT: (e2e - TTFT) / (n - 1), e2e = last token arrival - send time; 0 for n < 2, as vLLM.
 - ITL: every gap between consecutive token arrivals of one stream.
+- scheduling delay: send time to the first byte of the response (a prefill-progress comment
+  or a token), so it means the same for any server. Ours sends its first progress comment
+  after the step that ran the prompt's first chunk: one step later than it was scheduled.
 - max stall: the largest ITL gap whose interval overlaps another request's prefill window
   ([send, first token]); `itl_ms_max` is the largest gap with no such condition.
 - goodput: completed requests per second that meet every SLO given. As in vLLM's `--goodput`,
@@ -50,6 +53,13 @@ def itls(token_times: Sequence[float]) -> list[float]:
 
 def ttft(send: float, token_times: Sequence[float]) -> float | None:
     return token_times[0] - send if token_times else None
+
+
+def sched_delay(
+    send: float, progress_times: Sequence[float], token_times: Sequence[float]
+) -> float | None:
+    first = min([*progress_times[:1], *token_times[:1]], default=None)
+    return None if first is None else first - send
 
 
 def tpot(send: float, token_times: Sequence[float]) -> float | None:
@@ -115,6 +125,7 @@ def compute_metrics(
     done = [r for r in live if not r.cancelled]
     started = [r for r in live if r.token_s]
     ttfts = _ms(ttft(r.send_s, r.token_s) for r in started)
+    delays = _ms(sched_delay(r.send_s, [p[0] for p in r.progress], r.token_s) for r in live)
     tpots = _ms(tpot(r.send_s, r.token_s) for r in done)
     e2els = _ms(r.token_s[-1] - r.send_s for r in done if r.token_s)
     gaps = _ms(g for r in live for g in itls(r.token_s))
@@ -151,6 +162,7 @@ def compute_metrics(
         "total_token_throughput": (in_tokens + out_tokens) / dur,
         "goodput": None if good is None else good / dur,
         **summarize(ttfts, "ttft_ms"),
+        **summarize(delays, "sched_delay_ms"),
         **summarize(tpots, "tpot_ms"),
         **summarize(gaps, "itl_ms"),
         **summarize(e2els, "e2el_ms"),

@@ -1,4 +1,4 @@
-"""Comparison table (markdown) and PNG plots: token timelines and the ITL CDF."""
+"""Comparison table (markdown) and PNG plots: token timelines, the ITL CDF, capacity."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
+from gapless.bench.capacity import TrialResult
 from gapless.bench.client import RequestRecord
 from gapless.bench.metrics import itls
 
@@ -24,6 +26,7 @@ TABLE_ROWS = [
     ("goodput", "goodput (req/s)", ".3f"),
     ("ttft_ms_p50", "TTFT p50 (ms)", ".1f"),
     ("ttft_ms_p99", "TTFT p99 (ms)", ".1f"),
+    ("sched_delay_ms_p50", "scheduling delay p50 (ms)", ".1f"),
     ("tpot_ms_p50", "TPOT p50 (ms)", ".1f"),
     ("tpot_ms_p99", "TPOT p99 (ms)", ".1f"),
     ("itl_ms_p50", "ITL p50 (ms)", ".1f"),
@@ -129,4 +132,50 @@ def plot_itl_cdf(records_by_config: Mapping[str, Sequence[RequestRecord]], path:
     ax.grid(alpha=0.3)
     if ax.get_lines():
         ax.legend()
+    _save(fig, path)
+
+
+def plot_capacity(
+    trials_by_system: Mapping[str, Sequence[TrialResult]],
+    capacity_by_system: Mapping[str, Mapping[float, float | None]],
+    path: Path,
+) -> None:
+    """P99 TBT against the arrival rate, one curve per system (log-log: the search doubles and
+    halves). Trials that fell behind are crosses; each SLO is a dashed line and each system's
+    capacity under it a dotted vertical in the system's colour."""
+    fig = Figure(figsize=(7.5, 4.8), layout="constrained")
+    ax = fig.subplots()
+    slos = sorted({slo for caps in capacity_by_system.values() for slo in caps})
+    for slo in slos:
+        ax.axhline(slo, color="grey", linestyle="--", linewidth=1)
+        ax.annotate(f"SLO {slo:g} ms", (0.01, slo), xycoords=("axes fraction", "data"), fontsize=8)
+    for name, trials in trials_by_system.items():
+        points = sorted((t.qps, t.tbt_ms_p99, t.fell_behind) for t in trials if t.tbt_ms_p99)
+        (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label=name)
+        behind = [p for p in points if p[2]]
+        if behind:
+            ax.plot([p[0] for p in behind], [p[1] for p in behind], "x", color="tab:red")
+        for slo, qps in capacity_by_system[name].items():
+            if qps is not None:
+                ax.axvline(qps, color=line.get_color(), linestyle=":", linewidth=1.2)
+                ax.annotate(
+                    f"{qps:.3g}/s @ {slo:g}",
+                    (qps, 0.02),
+                    xycoords=("data", "axes fraction"),
+                    rotation=90,
+                    fontsize=7,
+                    color=line.get_color(),
+                )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        # Plain numbers: the rates span one or two decades, where 2x10^0 only gets in the way.
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel("P99 time between tokens (ms)")
+    ax.set_title("capacity: P99 TBT by rate (x: fell behind)", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    if trials_by_system:
+        ax.legend(fontsize=8)
     _save(fig, path)

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from statistics import NormalDist
 
 import numpy as np
 
 # Low ids are often special or control tokens; random prompts stay clear of them.
 MIN_TOKEN_ID = 100
+
+
+def lognormal_fit(median: float, p90: float) -> tuple[float, float]:
+    """(mu, sigma) of the log-normal with this median and 90th percentile."""
+    mu = float(np.log(median))
+    return mu, (float(np.log(p90)) - mu) / NormalDist().inv_cdf(0.9)
+
+
+# Synthetic chat traffic: log-normal fits to ShareGPT-style prompt and output lengths (tokens).
+CHAT_PROMPT_LOGNORMAL = lognormal_fit(1730, 5696)
+CHAT_OUTPUT_LOGNORMAL = lognormal_fit(415, 834)
 
 
 @dataclass(frozen=True)
@@ -35,10 +47,13 @@ class WorkloadSpec:
     long_tokens: int = 8192
     long_at: float = 3.0
     long_max_tokens: int = 16
-    # mixed / prefix / cancel
+    # mixed / prefix / cancel / chat
     rate: float = 1.0
     num_requests: int = 32
     duration: float | None = None  # caps arrivals at this offset
+    # chat: both length distributions are scaled by this, then clipped to the context
+    length_scale: float = 1.0
+    max_model_len: int | None = None
     prefix_tokens: int = 2000
     suffix_tokens: int = 64
     prefix_max_tokens: int = 64
@@ -110,7 +125,29 @@ def cancel(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
     return out
 
 
-_BUILDERS = {"stall": stall, "mixed": mixed, "prefix": prefix, "cancel": cancel}
+def chat(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
+    arrivals = _poisson_arrivals(rng, spec)
+    # Lengths are drawn for every request before `duration` drops some, so a request's lengths
+    # and prompt depend on the seed alone: trials at different rates differ only in timing.
+    scale = np.log(spec.length_scale)
+    prompt_mu, prompt_sigma = CHAT_PROMPT_LOGNORMAL
+    output_mu, output_sigma = CHAT_OUTPUT_LOGNORMAL
+    prompt_lens = np.rint(rng.lognormal(prompt_mu + scale, prompt_sigma, spec.num_requests))
+    # At least 2 output tokens, so every stream has a time between tokens.
+    output_lens = np.maximum(
+        2, np.rint(rng.lognormal(output_mu + scale, output_sigma, spec.num_requests))
+    )
+    if spec.max_model_len is not None:
+        output_lens = np.minimum(output_lens, spec.max_model_len // 2)
+        prompt_lens = np.minimum(prompt_lens, spec.max_model_len - output_lens)
+    prompt_lens = np.maximum(1, prompt_lens)
+    return [
+        BenchRequest(i, t, _ids(rng, int(p), spec.vocab_size), int(o))
+        for i, (t, p, o) in enumerate(zip(arrivals, prompt_lens, output_lens, strict=False))
+    ]
+
+
+_BUILDERS = {"stall": stall, "mixed": mixed, "prefix": prefix, "cancel": cancel, "chat": chat}
 
 
 def build_workload(spec: WorkloadSpec) -> list[BenchRequest]:
@@ -122,4 +159,6 @@ def build_workload(spec: WorkloadSpec) -> list[BenchRequest]:
     return sorted(reqs, key=lambda r: (r.arrival_s, r.rid))
 
 
-WORKLOADS = tuple(_BUILDERS)
+# `gapless bench --workload` choices. Chat's lengths must be clipped to the server's context,
+# which `gapless bench capacity` looks up; plain `bench` does not.
+WORKLOADS = tuple(name for name in _BUILDERS if name != "chat")
