@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
+from gapless.kernels import resolve_dtype
 from gapless.model.config import ModelConfig
-from gapless.model.loader import expected_shapes, resolve_dtype
+from gapless.model.loader import expected_shapes
 
 # Useful work, not what padding or masking makes the kernels do.
 FORMULAS = """\
