@@ -32,7 +32,7 @@ log = logging.getLogger("gapless.kernels")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True)
+@dataclass
 class Kernels:
     device: torch.device
     dtype: torch.dtype
