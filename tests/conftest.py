@@ -46,3 +46,10 @@ def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from gapless.model.demo import ensure_demo_checkpoint
 
     return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo-cache"))
+
+
+@pytest.fixture(params=["auto", "fallback"])
+def kernels_choice(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test on the kernels the probe picks, and again on the public-op fallbacks."""
+    monkeypatch.setenv("GAPLESS_KERNELS", request.param)
+    return request.param

@@ -13,8 +13,9 @@ from gapless import LLM, SamplingParams
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
 from gapless.engine.scheduler import ScheduledChunk
+from gapless.kernels import resolve_dtype
 from gapless.model.config import ConfigError
-from gapless.model.loader import WeightError, load_decoder, resolve_dtype
+from gapless.model.loader import WeightError, load_decoder
 
 
 def hf_model(path):
@@ -47,7 +48,7 @@ def run_chunks(runner: ModelRunner, seq: Seq, sizes: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_logits_match_transformers(checkpoint, arch):
+def test_logits_match_transformers(checkpoint, arch, kernels_choice):
     path = checkpoint(arch)
     ids = prompt(80)  # longer than mistral's 24-token window
     with torch.no_grad():
@@ -58,7 +59,7 @@ def test_logits_match_transformers(checkpoint, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_chunked_prefill_equals_one_call(checkpoint, arch):
+def test_chunked_prefill_equals_one_call(checkpoint, arch, kernels_choice):
     decoder = load_decoder(checkpoint(arch), "float32")
     runner = ModelRunner(decoder, 32, 16)
     ids = prompt(7 + 1 * 9 + 64 * 2)
@@ -69,7 +70,7 @@ def test_chunked_prefill_equals_one_call(checkpoint, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])
-def test_ragged_batch_equals_each_sequence_alone(checkpoint, arch):
+def test_ragged_batch_equals_each_sequence_alone(checkpoint, arch, kernels_choice):
     decoder = load_decoder(checkpoint(arch), "float32")
     runner = ModelRunner(decoder, 64, 16)
     prompts = [prompt(n, seed=n) for n in (40, 57, 33)]
@@ -206,19 +207,3 @@ def test_dtype_choice():
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         resolve_dtype("fp8", torch.device("cpu"))
-
-
-def test_long_chunk_after_history_uses_split_attention_and_matches(checkpoint, monkeypatch):
-    import gapless.engine.runner as runner_module
-
-    monkeypatch.setattr(runner_module, "SPLIT_MIN_QUERIES", 32)
-    decoder = load_decoder(checkpoint("qwen3"), "float32")
-    runner = ModelRunner(decoder, 32, 16)
-    ids = prompt(100)
-    whole = run_chunks(runner, Seq(ids, 0), [100])
-    seq = Seq(ids, 16)
-    run_chunks(runner, seq, [37])
-    batch, _ = runner._build([seq.chunk(63)], [True])
-    assert batch.groups[0].split_at == 37
-    pieces = run_chunks(runner, seq, [63])
-    assert (whole[37:] - pieces).abs().max().item() < 1e-4

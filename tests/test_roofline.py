@@ -100,6 +100,19 @@ def test_quick_run_reports_every_figure(tmp_path: Path, tiny_cfg: ModelConfig) -
         assert d["bytes"] == weights + b * 2 * (c + 1) * KV_BYTES_PER_KEY_BF16
         assert all(d[k] > 0 for k in ("ms", "roofline_ms", "pct_of_roofline"))
 
+    assert r["cpu"]["name"] and r["kernels"].startswith("kernels: ")
+    h = r["long_history"]
+    assert (h["chunk"], h["history"], h["decode_short_context"], h["decode_long_context"]) == (
+        64,
+        256,
+        64,
+        512,
+    )
+    assert h["ratio"] == pytest.approx(h["history_ms"] / h["fresh_ms"])
+    assert h["decode_ratio"] == pytest.approx(h["decode_long_ms"] / h["decode_short_ms"])
+    assert 0 < h["attention_ms"] < h["history_ms"] and 0 < h["attention_pct_of_step"] < 100
+    assert h["attention_tflops"] > 0 and h["attention_pct_of_peak"] > 0
+
     overhead = r["engine_overhead"]
     assert overhead["batch"] == 4
     assert overhead["step_ms"] >= overhead["forward_ms"] > 0

@@ -4,7 +4,10 @@ Measures the machine's matmul peak (TFLOP/s) and memory bandwidth (GB/s), counts
 work from its config, then times `ModelRunner.execute` (batch building + model forward, no
 scheduling or sampling) for fresh prefill chunks and for decode steps. Prefill is reported as a
 share of the matmul peak (it is compute-bound); decode as a share of the bandwidth roofline
-(each step must stream every weight and the batch's KV cache once).
+(each step must stream every weight and the batch's KV cache once). It also sets a chunk
+after a long history against a fresh chunk (with attention's share and speed), and a batch-1
+decode at a long context against one at a short context, and names the CPU and the kernels
+the probe picked.
 
 FORMULAS below states how work is counted.
 """
@@ -21,8 +24,10 @@ from pathlib import Path
 
 import torch
 
+from gapless.kernels import resolve_dtype
+from gapless.kernels.probe import machine
 from gapless.model.config import ModelConfig
-from gapless.model.loader import expected_shapes, resolve_dtype
+from gapless.model.loader import expected_shapes
 
 # Useful work, not what padding or masking makes the kernels do.
 FORMULAS = """\
@@ -62,6 +67,8 @@ def _sizes(quick: bool) -> dict:
             decode_batches=[1, 2, 4],
             decode_context=64,
             engine_batch=4,
+            long_history=(64, 256),  # (chunk, history)
+            decode_contexts=(64, 512),  # batch 1, short against long
         )
     return dict(
         mm_shapes=[(2048, 2048, 2048), (512, 896, 4864)],
@@ -71,6 +78,8 @@ def _sizes(quick: bool) -> dict:
         decode_batches=[1, 8, 32],
         decode_context=256,
         engine_batch=32,
+        long_history=(512, 7680),
+        decode_contexts=(64, 8192),
     )
 
 
@@ -166,7 +175,9 @@ def bandwidth_gbs(nbytes: int, reps: int) -> dict:
 
 def time_model(
     model_dir: Path, dtype: torch.dtype, sizes: dict, reps: int, peak_tflops: float, gbs: float
-) -> tuple[list[dict], list[dict]]:
+) -> tuple[list[dict], list[dict], dict, str]:
+    """Prefill chunks, decode steps, a chunk at a long history against a fresh one, and the
+    kernels the probe picked."""
     from gapless.engine.request import Request
     from gapless.engine.runner import ModelRunner
     from gapless.engine.sampling_params import SamplingParams
@@ -177,9 +188,12 @@ def time_model(
     cfg, elem = decoder.config, decoder.embed.element_size()
     bs, ctx = 16, sizes["decode_context"]
     seq_blocks = -(-(ctx + 1) // bs)
+    long_n, long_start = sizes["long_history"]
     num_blocks = max(
         max(-(-(s + n) // bs) for n, s in sizes["chunks"]),
         max(sizes["decode_batches"]) * seq_blocks,
+        -(-(long_n + long_start) // bs),
+        -(-(max(sizes["decode_contexts"]) + 1) // bs),
     )
     runner = ModelRunner(decoder, num_blocks, bs)
     gen = torch.Generator().manual_seed(0)
@@ -226,7 +240,55 @@ def time_model(
                 "pct_of_roofline": 100 * roofline_s / t,
             }
         )
-    return prefill, decode
+
+    # Attention's own time, summed over the layers of a step.
+    attention_s: list[float] = []
+    attend = decoder.kernels.attention
+
+    def timed_attention(*args: object) -> torch.Tensor:
+        start = time.perf_counter()
+        out = attend(*args)
+        attention_s.append(time.perf_counter() - start)
+        return out
+
+    def step(n: int, start: int) -> tuple[float, float]:
+        """Median step time of one n-token chunk after `start` cached tokens, and the
+        attention time of the median step."""
+        req = request(start + n, start, 0)
+        runner.execute([ScheduledChunk(req, n)], set())  # warm-up
+        steps = []
+        for _ in range(reps):
+            attention_s.clear()
+            t = time.perf_counter()
+            runner.execute([ScheduledChunk(req, n)], set())
+            steps.append((time.perf_counter() - t, sum(attention_s)))
+        return sorted(steps)[len(steps) // 2]
+
+    decoder.kernels.attention = timed_attention  # type: ignore[method-assign]
+    fresh_s, _ = step(long_n, 0)
+    history_s, history_attention_s = step(long_n, long_start)
+    short_ctx, long_ctx = sizes["decode_contexts"]
+    short_s, long_s = step(1, short_ctx)[0], step(1, long_ctx)[0]
+    decoder.kernels.attention = attend  # type: ignore[method-assign]
+    attention_flops = 4 * cfg.num_heads * cfg.head_dim * attended_keys(cfg, long_start, long_n)
+    attention_tflops = attention_flops / history_attention_s / 1e12
+    long_history = {
+        "chunk": long_n,
+        "history": long_start,
+        "fresh_ms": fresh_s * 1e3,
+        "history_ms": history_s * 1e3,
+        "ratio": history_s / fresh_s,
+        "attention_ms": history_attention_s * 1e3,
+        "attention_pct_of_step": 100 * history_attention_s / history_s,
+        "attention_tflops": attention_tflops,
+        "attention_pct_of_peak": 100 * attention_tflops / peak_tflops,
+        "decode_short_context": short_ctx,
+        "decode_long_context": long_ctx,
+        "decode_short_ms": short_s * 1e3,
+        "decode_long_ms": long_s * 1e3,
+        "decode_ratio": long_s / short_s,
+    }
+    return prefill, decode, long_history, decoder.kernels.describe()
 
 
 def engine_overhead(model_dir: Path, dtype: torch.dtype, batch: int, steps: int) -> dict:
@@ -286,6 +348,8 @@ def add_roofline_parser(sub: argparse._SubParsersAction) -> None:
 def format_report(r: dict) -> str:
     peaks, model = r["peaks"], r["model"]
     lines = [
+        f"cpu {r['cpu']['name']} ({' '.join(r['cpu']['isa']) or 'no avx2'})",
+        r["kernels"],
         f"model {r['model_dir']}  dtype {r['dtype']}  threads {r['threads']}",
         "peaks: "
         + ", ".join(f"{d} matmul {v['best']:.3g} TFLOP/s" for d, v in peaks["matmul"].items())
@@ -320,6 +384,17 @@ def format_report(r: dict) -> str:
             f"(last-level cache {cache >> 20} MB: a step moving less than twice that partly "
             "reads from cache, so it can beat the memory roofline)"
         )
+    h = r["long_history"]
+    lines += [
+        "",
+        f"chunk of {h['chunk']} at {h['history']} history: {h['history_ms']:.1f} ms, against"
+        f" {h['fresh_ms']:.1f} ms fresh: {h['ratio']:.2f}x; attention {h['attention_ms']:.1f} ms"
+        f" ({h['attention_pct_of_step']:.0f}% of the step) at {h['attention_tflops']:.3f} TFLOP/s"
+        f" ({h['attention_pct_of_peak']:.0f}% of the matmul peak)",
+        f"decode batch 1 at {h['decode_long_context']} context: {h['decode_long_ms']:.1f} ms,"
+        f" against {h['decode_short_ms']:.1f} ms at {h['decode_short_context']}:"
+        f" {h['decode_ratio']:.2f}x",
+    ]
     e = r["engine_overhead"]
     lines += [
         "",
@@ -335,6 +410,7 @@ def roofline_main(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     print(f"torch threads: {threads}", flush=True)
     cfg = ModelConfig.from_pretrained(args.model_dir)
+    cpu = machine()
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     sizes = _sizes(args.quick)
 
@@ -348,12 +424,16 @@ def roofline_main(args: argparse.Namespace) -> int:
     peak = matmul[dtype_name]["best"]
 
     print("timing the model forward...", flush=True)
-    prefill, decode = time_model(args.model_dir, dtype, sizes, args.reps, peak, bandwidth["best"])
+    prefill, decode, long_history, chosen = time_model(
+        args.model_dir, dtype, sizes, args.reps, peak, bandwidth["best"]
+    )
     print("timing the engine step...", flush=True)
     overhead = engine_overhead(args.model_dir, dtype, sizes["engine_batch"], 4 * args.reps)
     elem = torch.tensor([], dtype=dtype).element_size()
     result = {
         "model_dir": str(args.model_dir),
+        "cpu": {"name": cpu.cpu_name, "isa": list(cpu.cpu_isa)},
+        "kernels": chosen,
         "dtype": dtype_name,
         "threads": threads,
         "reps": args.reps,
@@ -370,6 +450,7 @@ def roofline_main(args: argparse.Namespace) -> int:
         },
         "prefill": prefill,
         "decode": decode,
+        "long_history": long_history,
         "engine_overhead": overhead,
     }
     args.out.mkdir(parents=True, exist_ok=True)

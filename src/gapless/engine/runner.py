@@ -2,38 +2,10 @@
 
 from __future__ import annotations
 
-import ctypes
-import sys
-
 import torch
 
 from gapless.engine.scheduler import ScheduledChunk
 from gapless.model.decoder import AttentionGroup, BatchInput, Decoder
-
-
-def keep_freed_memory_mapped() -> None:
-    """Stops glibc from returning large freed blocks to the OS.
-
-    Otherwise every big activation of a long prompt chunk is a fresh mmap that page-faults
-    on first touch: elementwise ops on a 4096-token chunk ran ~3x slower here.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 1 << 30)
-    libc.mallopt(m_trim_threshold, (1 << 31) - 1)
-
-
-# Prompt chunks up to this many tokens run attention with GQA heads folded into query rows
-# (see AttentionGroup); above it the plain kernel was as fast or faster here.
-FOLD_MAX_QUERIES = 128
-# CPU prompt chunks of at least this many tokens after a history use split attention (see
-# AttentionGroup.split_at); a 512-token chunk was faster with one masked call.
-SPLIT_MIN_QUERIES = 2048
 
 
 class ModelRunner:
@@ -44,8 +16,8 @@ class ModelRunner:
     def __init__(self, decoder: Decoder, num_blocks: int, block_size: int) -> None:
         cfg = decoder.config
         self.decoder = decoder
-        if decoder.device.type == "cpu":
-            keep_freed_memory_mapped()
+        self.kernels = decoder.kernels
+        self.full_attention = all(w is None for w in cfg.layer_windows)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.windows = sorted(set(cfg.layer_windows), key=lambda w: -1 if w is None else w)
@@ -121,7 +93,11 @@ class ModelRunner:
                 decode_keys.append((key_start, start, blocks))
             else:
                 groups.append(self._prefill_group(row, start, n, key_start, blocks))
-        if decode_keys:
+        # A lone decode sees all its keys, its own included, unmasked.
+        lone = decode_keys[0] if len(decode_keys) == 1 else None
+        if lone and (runs := self._history_runs(lone[1] + 1, lone[2])) is not None:
+            groups.insert(0, AttentionGroup(slice(0, 1), 1, 1, None, {}, history_runs=runs))
+        elif decode_keys:
             groups.insert(0, self._decode_group(decode_keys))
         dev = self.decoder.device
         batch = BatchInput(
@@ -145,27 +121,42 @@ class ModelRunner:
         zeros = torch.zeros(causal.shape, dtype=self.decoder.dtype, device=causal.device)
         return {w: zeros.masked_fill(~m, float("-inf")) for w, m in allowed.items()}
 
+    def _history_runs(self, end: int, blocks: list[int]) -> list[tuple[int, int]] | None:
+        """The runs of consecutive cache slots holding keys 0 .. end - 1, when the kernels
+        attend them in place; else None."""
+        if not (self.kernels.in_place_attention and self.full_attention):
+            return None
+        bs = self.block_size
+        runs: list[tuple[int, int]] = []
+        for i, block in enumerate(blocks[: -(-end // bs)]):
+            keys = min(bs, end - i * bs)  # only the last block can be partly filled
+            if runs and sum(runs[-1]) == block * bs:
+                runs[-1] = (runs[-1][0], runs[-1][1] + keys)
+            else:
+                runs.append((block * bs, keys))
+        return runs if len(runs) <= self.kernels.max_history_runs else None
+
     def _prefill_group(
         self, row: int, start: int, n: int, key_start: int, blocks: list[int]
     ) -> AttentionGroup:
         dev = self.decoder.device
-        key_blocks = torch.tensor(blocks, device=dev)[None]
+        rows = slice(row, row + n)
+        fold_max = self.kernels.fold_max_queries
         fresh = start == 0 and n % self.block_size == 0
-        if n > FOLD_MAX_QUERIES and fresh and all(w is None or w >= n for w in self.windows):
+        if n > fold_max and fresh and all(w is None or w >= n for w in self.windows):
             masks = dict.fromkeys(self.windows)  # whole fresh blocks: plain causal is exact
-            return AttentionGroup(slice(row, row + n), 1, n, key_blocks, masks)
-        full_attention = all(w is None for w in self.windows)
-        if full_attention and start > 0 and n >= SPLIT_MIN_QUERIES and dev.type == "cpu":
-            masks = dict.fromkeys(self.windows)
-            return AttentionGroup(slice(row, row + n), 1, n, key_blocks, masks, split_at=start)
+            return AttentionGroup(rows, 1, n, torch.tensor(blocks, device=dev)[None], masks)
+        if start > 0 and (runs := self._history_runs(start, blocks)) is not None:
+            return AttentionGroup(rows, 1, n, None, {}, history_runs=runs)
         q_pos = torch.arange(start, start + n, device=dev)
         k_pos = torch.arange(key_start, key_start + len(blocks) * self.block_size, device=dev)
         masks = self._masks(q_pos, k_pos, torch.tensor(True))
-        fold = n <= FOLD_MAX_QUERIES
+        fold = n <= fold_max
         if fold:
             masks = {w: m.repeat_interleave(self.head_group, dim=0) for w, m in masks.items()}
         masks = {w: m[None, None] for w, m in masks.items()}
-        return AttentionGroup(slice(row, row + n), 1, n, key_blocks, masks, fold)
+        key_blocks = torch.tensor(blocks, device=dev)[None]
+        return AttentionGroup(rows, 1, n, key_blocks, masks, fold)
 
     def _decode_group(self, keys: list[tuple[int, int, list[int]]]) -> AttentionGroup:
         """The decodes, which come first in the batch: rows 0 .. len(keys) - 1."""

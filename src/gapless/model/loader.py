@@ -9,32 +9,13 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from gapless.kernels import resolve_dtype, select, tune_allocator
 from gapless.model.config import ModelConfig
-from gapless.model.decoder import Decoder, Layer, Linear
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from gapless.model.decoder import Decoder, Layer
 
 
 class WeightError(ValueError):
     pass
-
-
-def cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16 where bf16 matmuls are fast (CUDA, AMX/AVX512-BF16 CPUs), else float32."""
-    if name == "auto":
-        fast = device.type == "cuda" or (device.type == "cpu" and cpu_has_fast_bf16())
-        return torch.bfloat16 if fast else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -133,7 +114,10 @@ def load_decoder(
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path)
     dev = torch.device(device)
-    w = load_weights(path, cfg, resolve_dtype(dtype, dev), dev)
+    tune_allocator()
+    dt = resolve_dtype(dtype, dev)
+    kernels = select(dev, dt)
+    w = load_weights(path, cfg, dt, dev)
 
     def cat(*names: str) -> torch.Tensor | None:
         if names[0] not in w:
@@ -147,19 +131,23 @@ def load_decoder(
         layers.append(
             Layer(
                 input_norm=w.pop(p + "input_layernorm.weight"),
-                qkv=Linear(
+                qkv=kernels.linear(
                     cat(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
                     cat(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
                 ),
-                o=Linear(w.pop(attn + "o_proj.weight"), w.pop(attn + "o_proj.bias", None)),
+                o=kernels.linear(w.pop(attn + "o_proj.weight"), w.pop(attn + "o_proj.bias", None)),
                 q_norm=w.pop(attn + "q_norm.weight", None),
                 k_norm=w.pop(attn + "k_norm.weight", None),
                 post_norm=w.pop(p + "post_attention_layernorm.weight"),
-                gate=Linear(w.pop(mlp + "gate_proj.weight"), w.pop(mlp + "gate_proj.bias", None)),
-                up=Linear(w.pop(mlp + "up_proj.weight"), w.pop(mlp + "up_proj.bias", None)),
-                down=Linear(w.pop(mlp + "down_proj.weight"), w.pop(mlp + "down_proj.bias", None)),
+                gate=kernels.linear(
+                    w.pop(mlp + "gate_proj.weight"), w.pop(mlp + "gate_proj.bias", None)
+                ),
+                up=kernels.linear(w.pop(mlp + "up_proj.weight"), w.pop(mlp + "up_proj.bias", None)),
+                down=kernels.linear(
+                    w.pop(mlp + "down_proj.weight"), w.pop(mlp + "down_proj.bias", None)
+                ),
             )
         )
     embed = w.pop("model.embed_tokens.weight")
-    lm_head = Linear(embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
-    return Decoder(cfg, embed, layers, w.pop("model.norm.weight"), lm_head)
+    lm_head = kernels.linear(embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
+    return Decoder(cfg, embed, layers, w.pop("model.norm.weight"), lm_head, kernels)

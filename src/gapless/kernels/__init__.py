@@ -1,0 +1,142 @@
+"""The kernels seam: everything device-specific, chosen once per (device, dtype) by a probe.
+
+`select(device, dtype)` tries the private ops this machine might run fast (see probe.py) and
+returns a `Kernels` that the loader builds its linears from and the decoder attends with.
+Every private op has a public fallback. `GAPLESS_KERNELS=fallback` forces the public ops
+everywhere (F.linear, F.scaled_dot_product_attention), e.g. to rule the fast paths out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from gapless.kernels import attention
+from gapless.kernels.linear import Linear, PackedLinear, PlainLinear
+from gapless.kernels.probe import cpu_flash_works, machine, packed_linear_works
+
+if TYPE_CHECKING:
+    from gapless.model.decoder import AttentionGroup
+
+__all__ = ["Kernels", "Linear", "resolve_dtype", "select", "tune_allocator"]
+
+log = logging.getLogger("gapless.kernels")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Kernels:
+    device: torch.device
+    dtype: torch.dtype
+    packed_linear: bool  # oneDNN-packed weights with fused epilogues (PackedLinear)
+    in_place_attention: bool  # attention.in_place; else attention.gathered only
+    # Prompt chunks up to this many tokens run attention with GQA heads folded into query
+    # rows (see AttentionGroup); above it the plain kernel was as fast or faster here.
+    fold_max_queries: int = 128
+    # A history in more runs of consecutive cache slots than this is gathered instead:
+    # each run costs one more attention call.
+    max_history_runs: int = 8
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        if self.packed_linear:
+            return PackedLinear(weight, bias)
+        return PlainLinear(weight, bias)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        groups: list[AttentionGroup],
+        window: int | None,
+    ) -> torch.Tensor:
+        """Attention of the batch's queries q [T, H, D], whose own keys and values k, v
+        [T, Hkv, D] are already in kv_cache, for a layer with this window. Returns [T, H * D]."""
+        k_cache, v_cache = kv_cache
+        out = None
+        for g in groups:
+            if g.history_runs is not None:
+                o = attention.in_place(
+                    q[g.rows], k[g.rows], v[g.rows], k_cache, v_cache, g.history_runs
+                )
+            else:
+                o = attention.gathered(q[g.rows], k_cache, v_cache, g, g.masks[window])
+            if len(groups) == 1:
+                return o
+            if out is None:
+                out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+            out[g.rows] = o
+        return out
+
+    def describe(self) -> str:
+        m = machine()
+        where = m.cuda if self.device.type == "cuda" else f"cpu {' '.join(m.cpu_isa) or 'base'}"
+        linear = "onednn-packed" if self.packed_linear else "F.linear"
+        attn = "in-place paged" if self.in_place_attention else "gathered sdpa"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"kernels: {where}, {dtype} {linear} linear, {attn} attention"
+
+
+def _forced_fallback() -> bool:
+    choice = os.environ.get("GAPLESS_KERNELS", "auto")
+    if choice not in ("auto", "fallback"):
+        raise ValueError(f"GAPLESS_KERNELS={choice!r}: choose auto or fallback")
+    return choice == "fallback"
+
+
+def select(device: torch.device, dtype: torch.dtype) -> Kernels:
+    """The fastest kernels the probe finds working for this device and dtype; logs them."""
+    cpu = device.type == "cpu" and not _forced_fallback()
+    kernels = Kernels(
+        device,
+        dtype,
+        packed_linear=cpu and packed_linear_works(dtype),
+        in_place_attention=cpu and cpu_flash_works(dtype),
+    )
+    log.info(kernels.describe())
+    if device.type == "cpu" and dtype != torch.float32 and not machine().fast_cpu_bf16:
+        log.warning(
+            "%s is slow on this CPU (no AMX or AVX512-BF16); --dtype float32 runs faster",
+            str(dtype).removeprefix("torch."),
+        )
+    return kernels
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on CUDA, and on CPUs with AMX/AVX512-BF16 where the packed bf16
+    linear works; float32 elsewhere."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16
+        fast = machine().fast_cpu_bf16 and packed_linear_works(torch.bfloat16)
+        return torch.bfloat16 if fast and not _forced_fallback() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@functools.cache
+def tune_allocator() -> None:
+    """Stops glibc from returning large freed blocks to the OS; once per process.
+
+    Otherwise every big activation of a long prompt chunk is a fresh mmap that page-faults
+    on first touch: elementwise ops on a 4096-token chunk ran ~3x slower here.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, (1 << 31) - 1)

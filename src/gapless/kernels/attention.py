@@ -1,0 +1,91 @@
+"""Attention over the paged KV cache, for one AttentionGroup of a ragged batch.
+
+Two implementations:
+- gathered (public ops): the group's KV blocks are copied out of the cache with one
+  index_select, then one F.scaled_dot_product_attention call with the group's mask;
+- in place (the CPU flash op, which returns log-sum-exps): a single full-attention
+  sequence attends its history straight from the cache, one unmasked call per run of
+  consecutive cache slots, and its own new tokens causally; the parts are merged by their
+  log-sum-exps (as in flash attention's own blocked loop). No copy of the history, which grows with every step of a long conversation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from gapless.model.decoder import AttentionGroup
+
+
+def gathered(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    g: AttentionGroup,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """q: [B * n, H, D] of the group's rows. Returns [B * n, H * D]."""
+    b, n = g.num_seqs, g.num_queries
+    _, _, kv_heads, dim = k_cache.shape
+    group = q.shape[1] // kv_heads
+    # [B, Hkv, L, D]; index_select copies whole blocks ~3x faster than advanced indexing.
+    flat_blocks = g.key_blocks.flatten()
+    k = k_cache.index_select(0, flat_blocks).view(b, -1, kv_heads, dim).transpose(1, 2)
+    v = v_cache.index_select(0, flat_blocks).view(b, -1, kv_heads, dim).transpose(1, 2)
+    q = q.view(b, n, kv_heads, group, dim)
+    if g.fold_heads:  # [B, Hkv, n * group, D], rows query-major
+        q = q.transpose(1, 2).reshape(b, kv_heads, n * group, dim)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return o.view(b, kv_heads, n, group, dim).transpose(1, 2).reshape(b * n, -1)
+    q = q.flatten(2, 3).transpose(1, 2)  # [B, H, n, D]
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+    )
+    return o.transpose(1, 2).reshape(b * n, -1)
+
+
+def in_place(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    runs: list[tuple[int, int]],
+) -> torch.Tensor:
+    """One sequence's n new queries q [n, H, D] see every key in `runs` (first slot, length)
+    of the flat cache, and, when n > 1, their own keys and values k, v [n, Hkv, D]
+    causally (a single query's own key is in its runs). Returns [n, H * D]."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    # Unmasked, so GQA heads fold into rows (query-major), [1, Hkv, n * group, D]: one call
+    # per KV head covers all its query heads.
+    folded = q.view(n, kv_heads, group, dim).transpose(0, 1).reshape(1, kv_heads, -1, dim)
+    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    outs, lses = [], []
+    for first, length in runs:
+        run_k = flat_k[first : first + length].transpose(0, 1)[None]  # a view: [1, Hkv, L, D]
+        run_v = flat_v[first : first + length].transpose(0, 1)[None]
+        o, lse = flash(folded, run_k, run_v)[:2]
+        outs.append(o.view(kv_heads, n, group, dim))
+        lses.append(lse.view(kv_heads, n, group))
+    if n > 1:  # heads expanded to match the queries
+        own_q = q.transpose(0, 1)[None]
+        own_k = k.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+        own_v = v.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+        o, lse = flash(own_q, own_k, own_v, is_causal=True)[:2]
+        outs.append(o.view(kv_heads, group, n, dim).transpose(1, 2))
+        lses.append(lse.view(kv_heads, group, n).transpose(1, 2))
+    if len(outs) == 1:
+        out = outs[0]
+    else:  # each part weighted by its share of the softmax's total
+        total = torch.stack(lses).logsumexp(0).unsqueeze(-1)
+        out = sum(
+            o * (lse.unsqueeze(-1) - total).exp().to(q.dtype)
+            for o, lse in zip(outs, lses, strict=True)
+        )
+    return out.transpose(0, 1).reshape(n, -1)  # [Hkv, n, G, D] -> [n, H * D]

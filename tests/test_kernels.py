@@ -1,0 +1,102 @@
+"""The kernels seam: the probe's choices, their fallbacks, and attention straight from the
+paged cache, each matching the public-op path on the tiny checkpoints."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_model import Seq, hf_model, prompt, run_chunks
+
+import gapless.kernels as kernels
+from gapless import LLM, SamplingParams
+from gapless.engine.runner import ModelRunner
+from gapless.kernels.linear import PackedLinear, PlainLinear
+from gapless.kernels.probe import Machine, packed_linear_works
+from gapless.model.loader import load_decoder
+
+CPU = torch.device("cpu")
+
+
+def test_startup_names_the_kernels_in_one_line(caplog, monkeypatch):
+    with caplog.at_level(logging.INFO, "gapless.kernels"):
+        chosen = kernels.select(CPU, torch.float32)
+    assert [r.message for r in caplog.records] == [chosen.describe()]
+    assert chosen.describe().startswith("kernels: cpu ")
+    assert chosen.packed_linear == packed_linear_works(torch.float32)
+
+    monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
+    forced = kernels.select(CPU, torch.float32)
+    assert not forced.packed_linear and not forced.in_place_attention
+    assert isinstance(forced.linear(torch.ones(4, 4)), PlainLinear)
+    assert "F.linear linear, gathered sdpa attention" in forced.describe()
+    monkeypatch.setenv("GAPLESS_KERNELS", "fast")
+    with pytest.raises(ValueError, match="choose auto or fallback"):
+        kernels.select(CPU, torch.float32)
+
+
+def test_cuda_gets_public_ops():
+    chosen = kernels.Kernels(torch.device("cuda"), torch.bfloat16, False, False)
+    assert isinstance(chosen.linear(torch.ones(4, 4)), PlainLinear)
+    assert kernels.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_bf16_without_fast_support_runs_on_the_fallback_and_warns(checkpoint, caplog, monkeypatch):
+    # What an AVX2-only CPU reports: no bf16 ISA, and oneDNN refuses to pack bf16.
+    monkeypatch.setattr(kernels, "machine", lambda: Machine("AVX2 CPU", ("avx2",), "AVX2", None))
+    monkeypatch.setattr(kernels, "packed_linear_works", lambda dtype: dtype == torch.float32)
+    assert kernels.resolve_dtype("auto", CPU) == torch.float32
+    with caplog.at_level(logging.INFO, "gapless.kernels"):
+        llm = LLM(checkpoint("qwen2"), dtype="bfloat16", prefill_chunk=16)
+    assert "kernels: cpu avx2, bfloat16 F.linear linear" in caplog.text
+    assert "bfloat16 is slow on this CPU" in caplog.text and "float32" in caplog.text
+    out = llm.generate([prompt(40)], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 8
+
+
+@pytest.mark.skipif(
+    not packed_linear_works(torch.bfloat16), reason="oneDNN cannot pack bf16 on this CPU"
+)
+def test_packed_bf16_matches_the_fallback(checkpoint, monkeypatch):
+    path, ids = checkpoint("llama"), prompt(60)
+    packed = load_decoder(path, "bfloat16")
+    assert isinstance(packed.layers[0].qkv, PackedLinear)
+    monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
+    plain = load_decoder(path, "bfloat16")
+    a = run_chunks(ModelRunner(packed, 8, 16), Seq(ids, 0), [60])
+    b = run_chunks(ModelRunner(plain, 8, 16), Seq(ids, 0), [60])
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([ids])).logits[0]
+    # bf16 rounding alone moves these logits (up to ~6) by ~0.25 on either path.
+    bound = 0.1 * ref.abs().max().item()
+    assert (a - ref).abs().max().item() < bound and (b - ref).abs().max().item() < bound
+
+
+def scattered(seq: Seq, table: list[int]) -> Seq:
+    seq.req.block_table = table
+    return seq
+
+
+@pytest.mark.skipif(
+    not kernels.cpu_flash_works(torch.float32),
+    reason="the CPU flash op is not built here",
+)
+@pytest.mark.parametrize("max_runs", [8, 2])
+def test_history_in_scattered_blocks_is_attended_in_place(checkpoint, max_runs, monkeypatch):
+    """A history in three runs of cache blocks: attended run by run (merged by log-sum-exp)
+    when the kernels allow that many runs, else gathered; either way the same logits."""
+    decoder = load_decoder(checkpoint("qwen3"), "float32")
+    runner = ModelRunner(decoder, 32, 16)
+    monkeypatch.setattr(
+        runner, "kernels", kernels.Kernels(CPU, torch.float32, True, True, 128, max_runs)
+    )
+    ids = prompt(100)
+    whole = run_chunks(runner, Seq(ids, 0), [100])
+    seq = scattered(Seq(ids, 0), [20, 21, 9, 10, 11, 25, 26])
+    run_chunks(runner, seq, [84])
+    batch, _ = runner._build([seq.chunk(12)], [True])
+    runs = batch.groups[0].history_runs
+    assert runs == ([(320, 32), (144, 48), (400, 4)] if max_runs == 8 else None)
+    pieces = run_chunks(runner, seq, [12, 1, 1, 1, 1])  # a chunk, then lone decodes
+    assert (whole[84:] - pieces).abs().max().item() < 1e-4
