@@ -54,7 +54,9 @@ def demo_server(tmp_path: Path) -> Iterator[ServerProcess]:
     # The demo checkpoint is built into this cache, not the user's.
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("GAPLESS_API_KEY", None)
-    server = ServerProcess(["--dtype", "float32", "--device", "cpu", "--shutdown-grace", "0.2"], env)
+    server = ServerProcess(
+        ["--dtype", "float32", "--device", "cpu", "--shutdown-grace", "0.2"], env
+    )
     try:
         yield server
     finally:
