@@ -5,6 +5,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+import tokenizers
 import torch
 from checkpoints import UNICODE_SAMPLE
 from gguf import GGMLQuantizationType as QType
@@ -181,3 +182,47 @@ def test_llm_serves_a_gguf_file_as_its_checkpoint(checkpoint, gguf_file):
     )
     assert ours[0].token_ids == theirs[0].token_ids
     assert model_name(path) == "qwen2-F32-gpt-2"
+
+
+def write_sentencepiece_gguf(out):
+    """A GGUF with only a `llama` (sentencepiece BPE) tokenizer, as converted Llama 2 files
+    have it: <unk> <s> </s>, 256 byte pieces, then pieces scored by their merge order."""
+    from tokenizers import models, pre_tokenizers, trainers
+
+    trained = tokenizers.Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False)
+    trained.train_from_iterator([TEXTS[0] * 20, TEXTS[1] * 20, UNICODE_SAMPLE * 20], trainer)
+    learned = sorted(trained.get_vocab().items(), key=lambda item: item[1])
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    tokens += [piece for piece, _ in learned if piece not in tokens]
+    writer = gguf.GGUFWriter(out, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)])
+    writer.add_token_types([2, 3, 3, *[6] * 256, *[1] * (len(tokens) - 259)])
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    from gapless.model.gguf_tokenizer import tokenizer_from_gguf
+
+    path = write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    ours = tokenizer_from_gguf(gguf.GGUFReader(path))
+    hf = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in [*TEXTS, " leading space", "byte fallback: 𝔘𝔫𝔦 ☃"]:
+        ids = ours.encode(text)
+        assert ids[0] == 1  # <s>: sentencepiece files get BOS unless they say otherwise
+        assert ids == hf(text).input_ids, text
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+    assert len(ours.encode(TEXTS[1])) < len(TEXTS[1]) / 3  # merges, not single characters
+    assert ours.byte_fallback_ids  # the streaming detokenizer holds back partial characters
