@@ -165,7 +165,7 @@ def test_unsupported_type_is_an_error_naming_it(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    [tensor] = gguf.GGUFReader(tmp_path / "x.gguf").tensors
+    [tensor] = gguf.GGUFReader(tmp_path / "x.gguf", "c").tensors
     with pytest.raises(WeightError, match="tensor w has GGUF type IQ2_XXS"):
         dequantize(tensor)
 
