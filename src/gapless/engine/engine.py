@@ -24,6 +24,7 @@ from gapless.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from gapless.engine.stopping import StopStringFilter
 from gapless.kv.block_pool import BlockPool
 from gapless.model.decoder import Decoder
+from gapless.model.gguf import is_gguf, load_gguf
 from gapless.model.loader import load_decoder
 from gapless.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -153,6 +154,8 @@ class Engine:
         device = config.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if is_gguf(path):
+            return cls(*load_gguf(path, config.dtype, device), config)
         decoder = load_decoder(path, config.dtype, device)
         return cls(decoder, Tokenizer.from_pretrained(path), config)
 

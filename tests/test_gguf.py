@@ -1,0 +1,228 @@
+"""GGUF files load as they are: weights, config and tokenizer agree with transformers."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import tokenizers
+import torch
+from checkpoints import UNICODE_SAMPLE
+from gguf import GGMLQuantizationType as QType
+from gguf_files import write_gguf
+from test_model import ModelRunner, Seq, prompt, run_chunks
+
+from gapless.model.gguf import dequantize, load_gguf, unpack
+from gapless.model.loader import WeightError, load_decoder
+from gapless.model.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello, world! It's 2024: don't   stop\n\n  now.\tTabs and 12345 digits.",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+    UNICODE_SAMPLE,
+    "<|user|>special <|end|> tokens<|assistant|>mid-text<|bos|>",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_file(checkpoint, tmp_path_factory):
+    """Factory: `gguf_file("llama", QType.Q4_0)` -> a GGUF file of that tiny checkpoint."""
+    built = {}
+
+    def get(arch: str, qtype: QType = QType.F32, pre: str = "gpt-2", **overrides) -> object:
+        key = (arch, qtype, pre, tuple(sorted(overrides)))
+        if key not in built:
+            out = tmp_path_factory.mktemp("gguf") / f"{arch}-{qtype.name}-{pre}.gguf"
+            built[key] = write_gguf(checkpoint(arch, **overrides), out, qtype, pre)
+        return built[key]
+
+    return get
+
+
+# A plain rope: llama3 rope scaling is written as a rope_freqs tensor, which gapless refuses.
+PLAIN_LLAMA = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+GGUF_ARCHS = {"llama": PLAIN_LLAMA, "llama_linear": {}, "qwen2": {}, "qwen3": {}}
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1])
+def test_unpacked_types_dequantize_as_the_reference(qtype):
+    gen = np.random.default_rng(0)
+    w = (gen.standard_normal((48, 256)) * gen.uniform(0.01, 3, (48, 1))).astype(np.float32)
+    w[3, :32] = 0.0  # an all-zero block has scale 0
+    blocks = gguf.quants.quantize(w, qtype)
+    quant = unpack(torch.from_numpy(blocks), qtype)
+    assert quant.codes.shape == w.shape and quant.scale.shape == (48, 8)
+    if qtype == QType.Q8_0:
+        assert quant.codes.dtype == torch.int8 and quant.offset is None
+    else:  # the form int4 kernels take: codes 0..15, scale and offset per group of 32
+        assert quant.codes.dtype == torch.uint8 and int(quant.codes.max()) <= 15
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+    assert torch.equal(quant.dequantize(), reference)
+
+
+@pytest.mark.parametrize("arch", GGUF_ARCHS)
+def test_f32_gguf_logits_match_the_checkpoint(checkpoint, gguf_file, arch):
+    ids = prompt(40)
+    reference = load_decoder(checkpoint(arch, **GGUF_ARCHS[arch]), "float32")
+    decoder, _ = load_gguf(gguf_file(arch, **GGUF_ARCHS[arch]), "float32")
+    want = run_chunks(ModelRunner(reference, 8, 16), Seq(ids, 0), [40])
+    got = run_chunks(ModelRunner(decoder, 8, 16), Seq(ids, 0), [40])
+    assert (got - want).abs().max().item() < 1e-4
+
+
+def test_bf16_gguf_runs_as_the_checkpoint_in_bf16(checkpoint, gguf_file):
+    # transformers' GGUF loader misreads BF16 tensors, so the reference is our own bf16 run.
+    ids = prompt(40)
+    reference = load_decoder(checkpoint("llama", **PLAIN_LLAMA), "bfloat16")
+    decoder, _ = load_gguf(gguf_file("llama", QType.BF16, **PLAIN_LLAMA), "bfloat16")
+    want = run_chunks(ModelRunner(reference, 8, 16), Seq(ids, 0), [40])
+    got = run_chunks(ModelRunner(decoder, 8, 16), Seq(ids, 0), [40])
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "arch,qtype",
+    [
+        ("llama", QType.F32),
+        ("llama", QType.F16),
+        ("llama", QType.Q8_0),
+        ("llama", QType.Q4_0),
+        ("llama", QType.Q4_1),
+        ("qwen2", QType.Q4_1),
+    ],
+)
+def test_gguf_logits_match_transformers_gguf_loader(gguf_file, arch, qtype):
+    from transformers import AutoModelForCausalLM
+
+    path = gguf_file(arch, qtype, **GGUF_ARCHS[arch])
+    ids = prompt(24)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        want = hf.eval()(torch.tensor([ids])).logits[0]
+    decoder, _ = load_gguf(path, "float32")
+    got = run_chunks(ModelRunner(decoder, 8, 16), Seq(ids, 0), [24])
+    assert (got - want).abs().max().item() < 1e-4
+
+
+def test_tokenizer_matches_the_checkpoints(checkpoint, gguf_file):
+    from transformers import AutoTokenizer
+
+    path = gguf_file("qwen2")
+    _, ours = load_gguf(path, "float32")
+    # The checkpoint directory's tokenizer, as gapless reads it (test_tokenizer.py checks that
+    # against transformers), and transformers' own tokenizer from the same GGUF file.
+    from_dir = Tokenizer.from_pretrained(checkpoint("qwen2"))
+    hf_gguf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == from_dir.encode(text) == hf_gguf(text).input_ids, text
+        assert (
+            ours.decode(ids)
+            == from_dir.decode(ids)
+            == hf_gguf.decode(ids, skip_special_tokens=True)
+        )
+    assert ours.bos_token == "<|bos|>" and ours.eos_token == "<|end|>"
+    assert ours.special_ids == from_dir.special_ids
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe"])
+def test_pre_tokenizers_match_transformers(gguf_file, pre):
+    from transformers import AutoTokenizer
+
+    path = gguf_file("qwen2", pre=pre)
+    _, ours = load_gguf(path, "float32")
+    hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in TEXTS:
+        assert ours.encode(text) == hf(text).input_ids, text
+
+
+def test_smollm_splits_every_digit(gguf_file):
+    # As SmolLM's own tokenizer and llama.cpp do (transformers' GGUF loader does not).
+    _, ours = load_gguf(gguf_file("qwen2", pre="smollm"), "float32")
+    ids = ours.encode("year 2024", add_special_tokens=False)
+    assert ours.convert_ids_to_tokens(ids)[-4:] == ["2", "0", "2", "4"]
+
+
+def test_chat_template_renders_as_the_checkpoints(checkpoint, gguf_file):
+    _, ours = load_gguf(gguf_file("qwen2"), "float32")
+    theirs = Tokenizer.from_pretrained(checkpoint("qwen2"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi ✓"}]
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages)
+    assert ours.encode_chat(messages) == theirs.encode_chat(messages)
+
+
+def test_missing_tensor_is_an_error_naming_it(checkpoint, tmp_path):
+    path = write_gguf(checkpoint("qwen2"), tmp_path / "m.gguf", drop=["blk.1.ffn_up.weight"])
+    with pytest.raises(WeightError, match=r"missing tensor blk\.1\.ffn_up\.weight"):
+        load_gguf(path)
+
+
+def test_unsupported_type_is_an_error_naming_it(tmp_path):
+    writer = gguf.GGUFWriter(tmp_path / "x.gguf", "llama")
+    block_bytes = gguf.GGML_QUANT_SIZES[QType.IQ2_XXS][1]
+    writer.add_tensor("w", np.zeros((2, block_bytes), np.uint8), raw_dtype=QType.IQ2_XXS)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    [tensor] = gguf.GGUFReader(tmp_path / "x.gguf", "c").tensors
+    with pytest.raises(WeightError, match="tensor w has GGUF type IQ2_XXS"):
+        dequantize(tensor)
+
+
+def test_llm_serves_a_gguf_file_as_its_checkpoint(checkpoint, gguf_file):
+    from gapless import LLM, SamplingParams
+    from gapless.model.gguf import model_name
+
+    path = gguf_file("qwen2")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ours = LLM(path, dtype="float32", kv_cache_tokens=256).generate(["def f(x):"], params)
+    theirs = LLM(checkpoint("qwen2"), dtype="float32", kv_cache_tokens=256).generate(
+        ["def f(x):"], params
+    )
+    assert ours[0].token_ids == theirs[0].token_ids
+    assert model_name(path) == "qwen2-F32-gpt-2"
+
+
+def write_sentencepiece_gguf(out):
+    """A GGUF with only a `llama` (sentencepiece BPE) tokenizer, as converted Llama 2 files
+    have it: <unk> <s> </s>, 256 byte pieces, then pieces scored by their merge order."""
+    from tokenizers import models, pre_tokenizers, trainers
+
+    trained = tokenizers.Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False)
+    trained.train_from_iterator([TEXTS[0] * 20, TEXTS[1] * 20, UNICODE_SAMPLE * 20], trainer)
+    learned = sorted(trained.get_vocab().items(), key=lambda item: item[1])
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    tokens += [piece for piece, _ in learned if piece not in tokens]
+    writer = gguf.GGUFWriter(out, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)])
+    writer.add_token_types([2, 3, 3, *[6] * 256, *[1] * (len(tokens) - 259)])
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    from gapless.model.gguf_tokenizer import tokenizer_from_gguf
+
+    path = write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    ours = tokenizer_from_gguf(gguf.GGUFReader(path))
+    hf = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in [*TEXTS, " leading space", "byte fallback: 𝔘𝔫𝔦 ☃"]:
+        ids = ours.encode(text)
+        assert ids[0] == 1  # <s>: sentencepiece files get BOS unless they say otherwise
+        assert ids == hf(text).input_ids, text
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True), text
+    assert len(ours.encode(TEXTS[1])) < len(TEXTS[1]) / 3  # merges, not single characters
+    assert ours.byte_fallback_ids  # the streaming detokenizer holds back partial characters

