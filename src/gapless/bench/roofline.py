@@ -146,6 +146,18 @@ def median_time(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def _timed(fn: Callable[..., torch.Tensor], times: list[float]) -> Callable[..., torch.Tensor]:
+    """fn, appending the seconds of each call to times."""
+
+    def timed(*args: object) -> torch.Tensor:
+        start = time.perf_counter()
+        out = fn(*args)
+        times.append(time.perf_counter() - start)
+        return out
+
+    return timed
+
+
 def matmul_tflops(dtype: torch.dtype, shapes: list[tuple[int, int, int]], reps: int) -> dict:
     per_shape = {}
     for m, k, n in shapes:
@@ -244,12 +256,7 @@ def time_model(
     # Attention's own time, summed over the layers of a step.
     attention_s: list[float] = []
     attend = decoder.kernels.attention
-
-    def timed_attention(*args: object) -> torch.Tensor:
-        start = time.perf_counter()
-        out = attend(*args)
-        attention_s.append(time.perf_counter() - start)
-        return out
+    timed_attention = _timed(attend, attention_s)
 
     def step(n: int, start: int) -> tuple[float, float]:
         """Median step time of one n-token chunk after `start` cached tokens, and the
@@ -306,13 +313,7 @@ def engine_overhead(model_dir: Path, dtype: torch.dtype, batch: int, steps: int)
         engine.add_request(torch.randint(0, vocab, (64,), generator=gen).tolist(), params)
     engine.step()  # every prompt prefills in this step (idle budget), then all decode
     forward_times: list[float] = []
-    forward = engine.decoder.forward
-
-    def timed_forward(*args: object) -> torch.Tensor:
-        start = time.perf_counter()
-        out = forward(*args)
-        forward_times.append(time.perf_counter() - start)
-        return out
+    timed_forward = _timed(engine.decoder.forward, forward_times)
 
     engine.decoder.forward = timed_forward  # type: ignore[method-assign]
     step_times = []
