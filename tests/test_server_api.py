@@ -15,7 +15,7 @@ import pytest
 import torch
 from server_fixture import MODEL, RunningServer, SSEReader, running_server, stream
 
-from gapless.server.app import ServerSettings
+from gapless.server.app import ServerSettings, max_json_values
 
 CHUNK = 16
 MAX_MODEL_LEN = 2048
@@ -419,6 +419,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str, str | None, str | None, str | 
     ("invalid utf-8", COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, "invalid_request_error", None, None, "UTF-8"),
     ("not an object", CHAT, b"[1, 2]", 400, "invalid_request_error", None, None, None),
     ("body too large", COMPLETIONS, {"prompt": "x" * BODY_LIMIT}, 413, "invalid_request_error", None, "request_too_large", None),
+    ("too many JSON values", COMPLETIONS, {"prompt": "a", "stop": ["s"] * (max_json_values(MAX_MODEL_LEN) + 1)}, 413, "invalid_request_error", None, "request_too_large", str(max_json_values(MAX_MODEL_LEN))),
     ("missing messages", CHAT, {"model": MODEL}, 400, "invalid_request_error", "messages", None, None),
     ("messages not a list", CHAT, {"messages": "hi"}, 400, "invalid_request_error", "messages", None, None),
     ("empty messages", CHAT, {"messages": []}, 400, "invalid_request_error", "messages", None, None),

@@ -408,7 +408,16 @@ def _require_json(request: Request) -> None:
         )
 
 
-async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+def max_json_values(max_model_len: int) -> int:
+    """Every list item or object member a request holds costs at least one token of its
+    context (prompt ids, messages, tool schemas that the template renders) or is one of a
+    few dozen bounded fields, so a body with more than this many is refused unparsed:
+    parsing builds one Python object per value while holding the GIL, which a million stop
+    strings turned into a half-second stall of every stream."""
+    return 2 * max_model_len + 1024
+
+
+async def _read_json(request: Request, limit: int, max_model_len: int) -> dict[str, Any]:
     too_large = APIError(
         413, f"the request body is larger than {limit} bytes", code="request_too_large"
     )
@@ -420,6 +429,15 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
         data += piece
         if len(data) > limit:
             raise too_large
+    # A comma separates two values: counting them bounds the values without parsing.
+    values, most = data.count(b",") + 1, max_json_values(max_model_len)
+    if values > most:
+        raise APIError(
+            413,
+            f"the request body holds about {values} JSON values; no request that fits the "
+            f"{max_model_len}-token context needs more than {most}",
+            code="request_too_large",
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -502,7 +520,7 @@ def _check_model(state: ServerState, body: dict[str, Any]) -> None:
 async def _generate(state: ServerState, request: Request, chat: bool) -> Any:
     if state.draining:
         raise _draining_error()
-    body = await _read_json(request, state.settings.max_body_bytes)
+    body = await _read_json(request, state.settings.max_body_bytes, state.engine.max_model_len)
     _check_model(state, body)
     parse = protocol.parse_chat if chat else protocol.parse_completion
     # Chat templating and tokenizing a long prompt take a while: keep the event loop free.
