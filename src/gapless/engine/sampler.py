@@ -95,7 +95,8 @@ def sample(requests: list[Request], logits: torch.Tensor) -> list[tuple[int, Tok
 
     Batched: one pass for all greedy rows, one for all sampled rows. A sampled row draws a
     single uniform number from its request's generator (inverse-CDF sampling), so a seeded
-    request gets the same tokens whatever else shares the batch.
+    request's draws do not depend on what else shares the batch (its logits still can, in
+    the last bits: docs/server.md, "Seeds").
     """
     raw = logits
     penalised = [i for i, r in enumerate(requests) if _penalised(r)]
