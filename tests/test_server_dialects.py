@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -471,13 +470,6 @@ def test_ollama_bad_requests(
 # -- cancellation ---------------------------------------------------------------------------
 
 
-def _wait_for_metric(server: RunningServer, name: str, want: float, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while (value := server.metrics()[name]) != want:
-        assert time.monotonic() < deadline, f"{name} is {value}, expected {want}"
-        time.sleep(0.02)
-
-
 @pytest.mark.parametrize(
     "path,body",
     [
@@ -497,8 +489,8 @@ def test_disconnect_cancels_and_frees_kv(
         for _ in range(6):  # a few tokens in: the request is decoding
             next(line for line in lines if line and not line.startswith(":"))
         assert server.metrics()["gapless_requests_running"] == 1
-    _wait_for_metric(server, "gapless_requests_running", 0)
-    _wait_for_metric(server, "gapless_kv_blocks_used", before["gapless_kv_blocks_used"])
+    server.wait_for_metric("gapless_requests_running", 0)
+    server.wait_for_metric("gapless_kv_blocks_used", before["gapless_kv_blocks_used"])
     # The next request still runs.
     after = {"prompt": "x", "stream": False, "options": {"num_predict": 2}}
     assert json.loads(server.client().post("/api/generate", json=after).text)["eval_count"] == 2

@@ -60,16 +60,11 @@ def _tool_call(block: dict[str, Any], param: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _turn(message: Any, index: int) -> list[dict[str, Any]]:
+def _turn(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
     """One Anthropic message as template messages: its tool_result blocks become `tool`
     messages (answering the previous assistant turn, so they come first), its text and
     tool_use blocks one user or assistant message."""
-    param = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise invalid("each message must be an object", param)
-    role = message.get("role")
-    if role not in ("user", "assistant"):
-        raise invalid(f"role must be 'user' or 'assistant', got {role!r}", f"{param}.role")
+    param, role = f"messages[{index}]", message["role"]
     content = message.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
@@ -132,9 +127,7 @@ def parse_messages(
         raise invalid("max_tokens is required", "max_tokens")
     if requested < 1:
         raise invalid(f"max_tokens must be at least 1, got {requested}", "max_tokens")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty list of messages", "messages")
+    messages = protocol.chat_messages(body, ("user", "assistant"))
     conversation = []
     system = protocol.text_content(body.get("system"), "system")
     if system:

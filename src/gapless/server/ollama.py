@@ -91,18 +91,8 @@ def _stream(body: dict[str, Any]) -> bool:
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty list of messages", "messages")
     out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise invalid("each message must be an object", f"messages[{i}]")
-        if message.get("role") not in CHAT_ROLES:
-            raise invalid(
-                f"unknown role {message.get('role')!r}; expected one of {', '.join(CHAT_ROLES)}",
-                f"messages[{i}].role",
-            )
+    for i, message in enumerate(protocol.chat_messages(body, CHAT_ROLES)):
         if message.get("images"):
             raise invalid("images are not supported", f"messages[{i}].images")
         if not isinstance(message.get("content", ""), str):

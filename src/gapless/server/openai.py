@@ -126,19 +126,9 @@ def _common(
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty list of messages", "messages")
     out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise invalid("each message must be an object", f"messages[{i}]")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise invalid(
-                f"unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}",
-                f"messages[{i}].role",
-            )
+    for i, message in enumerate(protocol.chat_messages(body, CHAT_ROLES)):
+        role = message["role"]
         content = protocol.text_content(message.get("content"), f"messages[{i}].content")
         if content is None and role != "assistant":
             raise invalid(f"a {role} message needs content", f"messages[{i}].content")
@@ -541,7 +531,7 @@ async def get_model(state: ServerState, request: Request) -> Response:
 
 async def cancel(state: ServerState, request: Request) -> Response:
     request_id = request.path_params["request_id"]
-    for prefix in ("chatcmpl-", "cmpl-"):
+    for prefix in ("chatcmpl-", "cmpl-", "msg_"):
         request_id = request_id.removeprefix(prefix)
     if not state.async_engine.cancel(request_id):
         raise APIError(

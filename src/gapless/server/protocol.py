@@ -158,6 +158,23 @@ def number_fields(
     return fields
 
 
+def chat_messages(body: dict[str, Any], roles: tuple[str, ...]) -> list[dict[str, Any]]:
+    """`messages`: a non-empty list of objects, each with one of `roles`."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list of messages", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise invalid("each message must be an object", f"messages[{i}]")
+        role = message.get("role")
+        if role not in roles:
+            raise invalid(
+                f"unknown role {role!r}; expected one of {', '.join(roles)}",
+                f"messages[{i}].role",
+            )
+    return messages
+
+
 def text_content(content: Any, param: str) -> str | None:
     """A message's text: a string, or a list of text parts ({"type": "text", "text": ...}),
     the shape OpenAI content parts and Anthropic text blocks share; None passes through."""
