@@ -494,3 +494,29 @@ def test_disconnect_cancels_and_frees_kv(
     # The next request still runs.
     after = {"prompt": "x", "stream": False, "options": {"num_predict": 2}}
     assert json.loads(server.client().post("/api/generate", json=after).text)["eval_count"] == 2
+
+
+def test_failure_inside_a_request_in_each_dialect(
+    claude: anthropic.Anthropic,
+    llama: ollama.Client,
+    server: RunningServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken_forward(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected forward failure")
+
+    monkeypatch.setattr(server.engine.runner, "execute", broken_forward)
+    hello = [{"role": "user", "content": "fail me"}]
+    with pytest.raises(anthropic.InternalServerError) as caught:
+        claude.messages.create(model=MODEL, max_tokens=3, messages=hello)
+    assert caught.value.body["error"]["type"] == "api_error"
+    # Once the stream has begun, an `error` event ends it; the client raises it.
+    with pytest.raises(anthropic.APIStatusError, match="injected"):
+        list(claude.messages.create(model=MODEL, max_tokens=3, messages=hello, stream=True))
+    with pytest.raises(ollama.ResponseError) as failed:
+        llama.chat(model=MODEL, messages=hello, stream=False)
+    assert failed.value.status_code == 500
+    with pytest.raises(ollama.ResponseError, match="injected"):
+        list(llama.chat(model=MODEL, messages=hello, stream=True))
+    monkeypatch.undo()
+    assert llama.chat(model=MODEL, messages=hello, options={"num_predict": 2}).eval_count == 2
