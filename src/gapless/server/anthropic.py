@@ -38,7 +38,7 @@ def error_body(error: APIError) -> dict[str, Any]:
     kind = "request_too_large" if error.status == 413 else error.type
     return {
         "type": "error",
-        "error": {"type": _ERROR_TYPES.get(kind, kind), "message": error.message},
+        "error": {"type": _ERROR_TYPES.get(kind, kind), "message": error.message_naming_param()},
     }
 
 
