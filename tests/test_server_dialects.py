@@ -282,6 +282,8 @@ def test_anthropic_tools_reach_the_template(
     )
     usage = message.usage
     assert usage.input_tokens + usage.cache_read_input_tokens == len(expected)
+    counted = claude.messages.count_tokens(model=MODEL, tools=[tool], messages=messages)
+    assert counted.input_tokens == len(expected)
 
 
 @pytest.mark.parametrize(
