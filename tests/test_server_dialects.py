@@ -4,7 +4,10 @@ its real client against a real server on a loopback port."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import socket
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -486,27 +489,53 @@ def test_ollama_bad_requests(
 # -- cancellation ---------------------------------------------------------------------------
 
 
+def _cancelled(server: RunningServer) -> int:
+    text = httpx.get(f"{server.url}/metrics").text
+    found = re.search(
+        r'^gapless_requests_finished_total\{finish_reason="cancelled"\} (\S+)$', text, re.M
+    )
+    return int(float(found.group(1))) if found else 0
+
+
 @pytest.mark.parametrize(
     "path,body",
     [
-        ("/v1/messages", {"max_tokens": 1500, "stream": True}),
-        ("/api/chat", {"options": {"num_predict": 1500}}),
+        ("/v1/messages", {"max_tokens": 100, "stream": True}),
+        ("/api/chat", {"options": {"num_predict": 100}}),
     ],
     ids=["anthropic", "ollama"],
 )
 def test_disconnect_cancels_and_frees_kv(
-    server: RunningServer, path: str, body: dict[str, Any]
+    server: RunningServer, path: str, body: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    before = server.metrics()
-    messages = [{"role": "user", "content": "Count to a thousand."}]
-    with server.client() as c, c.stream("POST", path, json={**body, "messages": messages}) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        for _ in range(6):  # a few tokens in: the request is decoding
-            next(line for line in lines if line and not line.startswith(":"))
-        assert server.metrics()["gapless_requests_running"] == 1
+    before, cancelled = server.metrics(), _cancelled(server)
+    # One forward pass, then the engine waits: the client surely hangs up mid-prefill.
+    gate = threading.Semaphore(1)
+    forward = server.engine.runner.execute
+
+    def gated_forward(*args: Any, **kwargs: Any) -> Any:
+        gate.acquire()
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(server.engine.runner, "execute", gated_forward)
+    content = "the quick brown fox jumps over the lazy dog " * 30  # many prefill chunks
+    payload = json.dumps({**body, "messages": [{"role": "user", "content": content}]})
+    host, port = server.url.removeprefix("http://").split(":")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\n\r\n"
+    )
+    try:
+        # A raw socket: an Ollama stream sends no headers before its first token.
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(head.encode() + payload.encode())
+            server.wait_for_metric("gapless_requests_prefilling", 1)
+    finally:
+        monkeypatch.undo()
+        gate.release()  # the engine may be waiting in gated_forward
     server.wait_for_metric("gapless_requests_running", 0)
     server.wait_for_metric("gapless_kv_blocks_used", before["gapless_kv_blocks_used"])
+    assert _cancelled(server) == cancelled + 1
     # The next request still runs.
     after = {"prompt": "x", "stream": False, "options": {"num_predict": 2}}
     assert json.loads(server.client().post("/api/generate", json=after).text)["eval_count"] == 2
