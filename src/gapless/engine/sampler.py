@@ -97,11 +97,21 @@ def sample(requests: list[Request], logits: torch.Tensor) -> list[tuple[int, Tok
     single uniform number from its request's generator (inverse-CDF sampling), so a seeded
     request's draws do not depend on what else shares the batch (its logits still can, in
     the last bits: docs/server.md, "Seeds").
+
+    A request under a grammar has the tokens it forbids masked out first; the other rows are
+    untouched. Logprobs are the model's own, before masks and penalties.
     """
     raw = logits
+    constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
+    if constrained:
+        logits = logits.clone()
+        for i in constrained:
+            allowed = requests[i].matcher.allowed().to(logits.device)
+            logits[i].masked_fill_(~allowed, float("-inf"))
     penalised = [i for i, r in enumerate(requests) if _penalised(r)]
     if penalised:
-        logits = logits.clone()
+        if logits is raw:
+            logits = logits.clone()
         for i in penalised:
             p, req = requests[i].params, requests[i]
             if req.token_counts is None:
