@@ -31,7 +31,8 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     """Output that is one JSON value valid for the schema; whitespace is kept compact."""
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
-            schema, defaults={"whitespace_flexible": False, "item_separator": ", "}
+            schema,
+            defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
         )
     except ValueError as e:
         raise GrammarError(str(e)) from e
