@@ -102,12 +102,7 @@ def sample(requests: list[Request], logits: torch.Tensor) -> list[tuple[int, Tok
     untouched. Logprobs are the model's own, before masks and penalties.
     """
     raw = logits
-    constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
-    if constrained:
-        logits = logits.clone()
-        for i in constrained:
-            allowed = requests[i].matcher.allowed().to(logits.device)
-            logits[i].masked_fill_(~allowed, float("-inf"))
+    logits = apply_grammars(requests, logits)
     penalised = [i for i, r in enumerate(requests) if _penalised(r)]
     if penalised:
         if logits is raw:
@@ -147,6 +142,19 @@ def sample(requests: list[Request], logits: torch.Tensor) -> list[tuple[int, Tok
             info = top_logprobs(raw[i].log_softmax(-1), tokens[i], req.params.logprobs)
         results.append((tokens[i], info))
     return results
+
+
+def apply_grammars(requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
+    """The logits with each constrained row's forbidden tokens at -inf; the same tensor when
+    no row is constrained."""
+    constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
+    if not constrained:
+        return logits
+    logits = logits.clone()
+    for i in constrained:
+        allowed = requests[i].matcher.allowed().to(logits.device)
+        logits[i].masked_fill_(~allowed, float("-inf"))
+    return logits
 
 
 def _penalised(request: Request) -> bool:
