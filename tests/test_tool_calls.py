@@ -11,7 +11,6 @@ from gapless.server.tool_calls import (
     ToolRequest,
     detect_parser,
     forced_calls_schema,
-    template_messages,
 )
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
@@ -137,10 +136,3 @@ def test_forced_schema_names_only_the_chosen_function():
 )
 def test_parser_is_detected_from_the_template(template, parser):
     assert detect_parser(template) == parser
-
-
-def test_assistant_tool_call_arguments_reach_the_template_as_a_mapping():
-    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
-    [message] = template_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
-    assert message["tool_calls"][0]["function"]["arguments"] == {"x": 1}
-    assert message["content"] is None

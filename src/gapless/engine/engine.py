@@ -504,6 +504,7 @@ class Engine:
                 if req.params.prompt_logprobs is not None
                 else None,
                 error=error,
+                stop_string=req.stop_filter.matched if req.stop_filter else None,
                 preempted=req.preemptions,
                 timings=self._timings(req),
                 index=req.index,

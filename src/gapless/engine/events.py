@@ -43,6 +43,7 @@ class FinishedEvent:
     cached_prompt_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
+    stop_string: str | None = None  # the stop string that ended it, if one did
     preempted: int = 0  # times the request was preempted and recomputed
     timings: dict[str, float] = field(default_factory=dict)
     index: int = 0  # which of the request's n choices; the request ends when all n have

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gapless.engine.engine import Engine
-from gapless.server import openai, protocol
+from gapless.server import anthropic, ollama, openai, protocol
 from gapless.server.endpoint import (
     ServerSettings,
     ServerState,
@@ -39,7 +39,7 @@ __all__ = ["GaplessServer", "ServerSettings", "build_app", "max_json_values"]
 log = logging.getLogger("gapless.server")
 
 # One module per API dialect: its ROUTES, and its error_body for every error on them.
-DIALECTS = (openai,)
+DIALECTS = (openai, anthropic, ollama)
 
 
 def build_app(state: ServerState) -> Starlette:

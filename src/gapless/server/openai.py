@@ -1,4 +1,5 @@
-"""The OpenAI dialect: /v1/chat/completions, /v1/completions, /v1/models, /v1/cancel.
+"""The OpenAI dialect: /v1/chat/completions, /v1/completions, /v1/models, /v1/cancel, and
+vLLM's /tokenize and /detokenize.
 
 Requests become prompt ids and SamplingParams; engine events become OpenAI chunks (SSE ending
 in `data: [DONE]`) or one response object; errors are {"error": {message, type, param, code}}.
@@ -130,50 +131,28 @@ def _common(
     return fields, stream, include_usage
 
 
-def _message_content(content: Any, index: int) -> str | None:
-    param = f"messages[{index}].content"
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise invalid("only text content parts are supported", param)
-            if not isinstance(part.get("text"), str):
-                raise invalid("a text content part needs a string `text`", param)
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise invalid("content must be a string or a list of content parts", param)
-
-
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty list of messages", "messages")
     out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise invalid("each message must be an object", f"messages[{i}]")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise invalid(
-                f"unknown role {role!r}; expected one of {', '.join(CHAT_ROLES)}",
-                f"messages[{i}].role",
-            )
-        content = _message_content(message.get("content"), i)
+    for i, message in enumerate(protocol.chat_messages(body, CHAT_ROLES)):
+        role = message["role"]
+        content = protocol.text_content(message.get("content"), f"messages[{i}].content")
         if content is None and role != "assistant":
             raise invalid(f"a {role} message needs content", f"messages[{i}].content")
         # `developer` is OpenAI's newer name for `system`; chat templates know only the latter.
         converted = {**message, "role": "system" if role == "developer" else role}
         converted["content"] = content
-        out.append(converted)
+        out.append(protocol.template_message(converted, f"messages[{i}]"))
     return out
 
 
 def _chat_prompt(
-    body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int, tools: ToolRequest | None
+    body: dict[str, Any],
+    tokenizer: Tokenizer,
+    max_model_len: int,
+    tools: ToolRequest | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
-    messages = tool_calls.template_messages(_messages(body))
+    messages = _messages(body)
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise invalid("chat_template_kwargs must be an object", "chat_template_kwargs")
@@ -185,6 +164,7 @@ def _chat_prompt(
     if tools is not None and tools.tools:
         # As transformers' apply_chat_template(tools=...) passes them.
         template_kwargs = {**template_kwargs, "tools": tools.tools}
+    template_kwargs = {**template_kwargs, "add_generation_prompt": add_generation_prompt}
     return protocol.encode_chat(tokenizer, messages, max_model_len, "messages", template_kwargs)
 
 
@@ -261,7 +241,9 @@ def _prompt(
     if isinstance(prompt, str):
         return protocol.encode_prompt(tokenizer, prompt, max_model_len, "prompt"), prompt
     if isinstance(prompt, list) and all(is_int(t) for t in prompt):
-        ids = _token_ids(prompt, tokenizer, "prompt")
+        if not prompt:
+            raise invalid("the prompt is empty", "prompt")
+        ids = _check_vocab(prompt, tokenizer, "prompt")
         # As a string prompt echoes its special tokens, so does a token-id prompt.
         return ids, tokenizer.decode(ids, skip_special_tokens=False)
     raise invalid(
@@ -269,9 +251,7 @@ def _prompt(
     )
 
 
-def _token_ids(ids: list[int], tokenizer: Tokenizer, param: str) -> list[int]:
-    if not ids:
-        raise invalid("the prompt is empty", param)
+def _check_vocab(ids: list[int], tokenizer: Tokenizer, param: str) -> list[int]:
     vocab = tokenizer.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
@@ -307,20 +287,7 @@ def parse_completion(
 
 
 def check_model(state: ServerState, body: dict[str, Any]) -> None:
-    model = body.get("model")
-    name = state.settings.served_model_name
-    # A missing model is allowed: one model is served, so there is nothing to choose.
-    if model is None or model == name:
-        return
-    if not isinstance(model, str):
-        raise invalid("model must be a string", "model")
-    raise APIError(
-        404,
-        f"the model {model!r} does not exist; this server serves {name!r}",
-        "not_found_error",
-        "model",
-        "model_not_found",
-    )
+    protocol.check_model(body.get("model"), state.settings.served_model_name)
 
 
 # -- response shapes -----------------------------------------------------------------------
@@ -690,7 +657,7 @@ async def get_model(state: ServerState, request: Request) -> Response:
 
 async def cancel(state: ServerState, request: Request) -> Response:
     request_id = request.path_params["request_id"]
-    for prefix in ("chatcmpl-", "cmpl-"):
+    for prefix in ("chatcmpl-", "cmpl-", "msg_"):
         request_id = request_id.removeprefix(prefix)
     if not state.async_engine.cancel(request_id):
         raise APIError(
@@ -703,10 +670,57 @@ async def cancel(state: ServerState, request: Request) -> Response:
     return JSONResponse({"id": request_id, "object": "cancellation", "cancelled": True})
 
 
+def _tokenize(body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int) -> list[int]:
+    """vLLM's /tokenize: a `prompt`, or `messages` through the chat template."""
+    if "messages" in body:
+        add_generation_prompt = bool_field(body, "add_generation_prompt")
+        tools = tool_calls.parse_tools(body)
+        return _chat_prompt(
+            body, tokenizer, max_model_len, tools, add_generation_prompt is not False
+        )
+    prompt = str_field(body, "prompt")
+    if prompt is None:
+        raise invalid("send a `prompt` string or `messages`", "prompt")
+    protocol.check_text_fits(tokenizer, len(prompt), max_model_len, "prompt")
+    return tokenizer.encode(
+        prompt, add_special_tokens=bool_field(body, "add_special_tokens") is not False
+    )
+
+
+async def tokenize(state: ServerState, request: Request) -> Response:
+    body = await read_json(state, request)
+    check_model(state, body)
+    tokenizer = state.engine.tokenizer
+    ids = await anyio.to_thread.run_sync(_tokenize, body, tokenizer, state.engine.max_model_len)
+    strs = [tokenizer.token_text(t) for t in ids] if bool_field(body, "return_token_strs") else None
+    return JSONResponse(
+        {
+            "count": len(ids),
+            "max_model_len": state.engine.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+    )
+
+
+async def detokenize(state: ServerState, request: Request) -> Response:
+    body = await read_json(state, request)
+    check_model(state, body)
+    if body.get("tokens") is None:
+        raise invalid("tokens is required: a list of token ids", "tokens")
+    tokenizer = state.engine.tokenizer
+    ids = _check_vocab(int_list_field(body, "tokens"), tokenizer, "tokens")
+    # As vLLM (and transformers' decode): special tokens stay, so a round trip is exact.
+    return JSONResponse({"prompt": tokenizer.decode(ids, skip_special_tokens=False)})
+
+
 ROUTES = [
     ("GET", "/v1/models", list_models),
     ("GET", "/v1/models/{model:path}", get_model),
     ("POST", "/v1/chat/completions", chat_completions),
     ("POST", "/v1/completions", completions),
     ("POST", "/v1/cancel/{request_id}", cancel),
+    # vLLM's extensions, at its paths.
+    ("POST", "/tokenize", tokenize),
+    ("POST", "/detokenize", detokenize),
 ]

@@ -148,29 +148,6 @@ def forced_calls_schema(request: ToolRequest) -> dict[str, Any]:
     return schema
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them: an assistant's tool call arguments as a
-    mapping (templates write them with `tojson`), not the JSON text OpenAI clients send."""
-    out = []
-    for message in messages:
-        calls = message.get("tool_calls")
-        if isinstance(calls, list):
-            message = {**message, "tool_calls": [_call_for_template(c) for c in calls]}
-        out.append(message)
-    return out
-
-
-def _call_for_template(call: Any) -> Any:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
-
-
 # -- parsing the output --------------------------------------------------------------------
 
 

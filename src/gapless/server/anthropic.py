@@ -1,0 +1,254 @@
+"""The Anthropic Messages dialect: POST /v1/messages.
+
+A request (system, messages of text / tool_use / tool_result blocks, tools) becomes the
+chat-template conversation transformers' apply_chat_template takes; engine events become a
+message object, or its named SSE events in Anthropic's order; errors are
+{"type": "error", "error": {"type", "message"}}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
+from gapless.engine.sampling_params import SamplingParams
+from gapless.model.tokenizer import Tokenizer
+from gapless.server import protocol
+from gapless.server.endpoint import (
+    Renderer,
+    ServerState,
+    generate,
+    new_request_id,
+    progress_comment,
+    read_json,
+    sse,
+)
+from gapless.server.protocol import APIError, bool_field, int_field, invalid
+
+# Anthropic's error types where ours differ in name.
+_ERROR_TYPES = {"server_error": "api_error"}
+
+
+def error_body(error: APIError) -> dict[str, Any]:
+    kind = "request_too_large" if error.status == 413 else error.type
+    return {
+        "type": "error",
+        "error": {"type": _ERROR_TYPES.get(kind, kind), "message": error.message},
+    }
+
+
+# -- requests ------------------------------------------------------------------------------
+
+
+@dataclass
+class ParsedMessages:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+
+
+def _tool_call(block: dict[str, Any], param: str) -> dict[str, Any]:
+    name, arguments = block.get("name"), block.get("input")
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        raise invalid("a tool_use block needs a string `name` and an object `input`", param)
+    call_id = block.get("id")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _turn(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
+    """One Anthropic message as template messages: its tool_result blocks become `tool`
+    messages (answering the previous assistant turn, so they come first), its text and
+    tool_use blocks one user or assistant message."""
+    param, role = f"messages[{index}]", message["role"]
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise invalid("content must be a string or a list of content blocks", f"{param}.content")
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        where = f"{param}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_call(block, where))
+        elif kind == "tool_result" and role == "user":
+            result = protocol.text_content(block.get("content", ""), f"{where}.content")
+            results.append(
+                {"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result}
+            )
+        else:
+            raise invalid(
+                f"unsupported content block {kind!r} in a {role} message; text, tool_use "
+                "(assistant) and tool_result (user) are",
+                where,
+            )
+    turn: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+    if calls:
+        turn["tool_calls"] = calls
+    return results + [turn] if texts or calls or not results else results
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Anthropic tool definitions as the function schemas chat templates render."""
+    tools = protocol.list_field(body, "tools")
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if (
+            not isinstance(tool, dict)
+            or not isinstance(tool.get("name"), str)
+            or not isinstance(tool.get("input_schema"), dict)
+        ):
+            raise invalid(
+                "a tool needs a string `name` and an object `input_schema`", f"tools[{i}]"
+            )
+        function = {"name": tool["name"], "parameters": tool["input_schema"]}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def parse_messages(
+    body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int
+) -> ParsedMessages:
+    requested = int_field(body, "max_tokens")
+    if requested is None:
+        raise invalid("max_tokens is required", "max_tokens")
+    if requested < 1:
+        raise invalid(f"max_tokens must be at least 1, got {requested}", "max_tokens")
+    messages = protocol.chat_messages(body, ("user", "assistant"))
+    conversation = []
+    system = protocol.text_content(body.get("system"), "system")
+    if system:
+        conversation.append({"role": "system", "content": system})
+    for i, message in enumerate(messages):
+        conversation += _turn(message, i)
+    prompt_ids = protocol.encode_chat(
+        tokenizer, conversation, max_model_len, "messages", {"tools": _tools(body)}
+    )
+    fields = protocol.number_fields(
+        body,
+        floats={"temperature": "temperature", "top_p": "top_p"},
+        ints={"top_k": "top_k"},
+    )
+    fields.update(
+        max_tokens=protocol.max_tokens(
+            requested, "max_tokens", len(prompt_ids), "messages", max_model_len
+        ),
+        stop=protocol.stop_field(body, "stop_sequences"),
+    )
+    params = protocol.sampling_params(fields, {"stop": "stop_sequences"})
+    return ParsedMessages(prompt_ids, params, bool(bool_field(body, "stream")))
+
+
+# -- rendering engine events ---------------------------------------------------------------
+
+
+def _stop_reason(finished: FinishedEvent) -> str:
+    if finished.finish_reason == "length":
+        return "max_tokens"
+    if finished.stop_string is not None:
+        return "stop_sequence"
+    # gapless's own "cancelled" passes through, as on the OpenAI endpoints.
+    return "end_turn" if finished.finish_reason == "stop" else finished.finish_reason
+
+
+def _usage(finished: FinishedEvent) -> dict[str, Any]:
+    # Anthropic counts prompt tokens read from the cache apart from input_tokens.
+    return {
+        "input_tokens": finished.prompt_tokens - finished.cached_prompt_tokens,
+        "cache_read_input_tokens": finished.cached_prompt_tokens,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": finished.completion_tokens,
+    }
+
+
+class _MessageRenderer(Renderer):
+    def __init__(self, state: ServerState, parsed: ParsedMessages, request_id: str) -> None:
+        super().__init__()
+        self.id = f"msg_{request_id}"
+        self.model = state.settings.served_model_name
+        self.input_tokens = len(parsed.prompt_ids)
+
+    def error_body(self, error: APIError) -> dict[str, Any]:
+        return error_body(error)
+
+    def message(self, content: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage,
+        }
+
+    @staticmethod
+    def event(data: dict[str, Any]) -> bytes:
+        return sse(data, event=data["type"])
+
+    def opening(self) -> list[bytes]:
+        usage = {"input_tokens": self.input_tokens, "output_tokens": 0}
+        block = {"type": "text", "text": ""}
+        return [
+            self.event({"type": "message_start", "message": self.message([], usage)}),
+            self.event({"type": "content_block_start", "index": 0, "content_block": block}),
+        ]
+
+    def progress(self, event: ProgressEvent) -> list[bytes]:
+        return [progress_comment(event)]
+
+    def token(self, event: TokenEvent) -> list[bytes]:
+        if not event.text:  # text held back (half a character, a possible stop sequence)
+            return []
+        delta = {"type": "text_delta", "text": event.text}
+        return [self.event({"type": "content_block_delta", "index": 0, "delta": delta})]
+
+    def finished(self, event: FinishedEvent) -> list[bytes]:
+        delta = {"stop_reason": _stop_reason(event), "stop_sequence": event.stop_string}
+        return [
+            self.event({"type": "content_block_stop", "index": 0}),
+            self.event({"type": "message_delta", "delta": delta, "usage": _usage(event)}),
+            self.event({"type": "message_stop"}),
+        ]
+
+    def failed(self, error: APIError) -> list[bytes]:
+        return [sse(error_body(error), event="error")]
+
+    def response(self, finished: FinishedEvent) -> dict[str, Any]:
+        out = self.message([{"type": "text", "text": "".join(self.text)}], _usage(finished))
+        out.update(stop_reason=_stop_reason(finished), stop_sequence=finished.stop_string)
+        return out
+
+
+# -- endpoint -------------------------------------------------------------------------------
+
+
+async def messages(state: ServerState, request: Request) -> Response:
+    body = await read_json(state, request)
+    protocol.check_model(body.get("model"), state.settings.served_model_name)
+    # Chat templating and tokenizing a long prompt take a while: keep the event loop free.
+    parsed = await anyio.to_thread.run_sync(
+        parse_messages, body, state.engine.tokenizer, state.engine.max_model_len
+    )
+    request_id = new_request_id()
+    renderer = _MessageRenderer(state, parsed, request_id)
+    return generate(
+        state, parsed.prompt_ids, parsed.params, renderer, parsed.stream, request_id, "messages"
+    )
+
+
+ROUTES = [("POST", "/v1/messages", messages)]
