@@ -18,6 +18,8 @@ log = logging.getLogger("gapless.server")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # As gapless.model.loader.DTYPES; not imported so that `gapless --help` needs no torch.
 DTYPES = ("float32", "bfloat16", "float16")
+# As gapless.server.tool_calls.PARSERS, for the same reason.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -113,6 +115,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="request body size limit in MiB (%(default)s)",
     )
     p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="how the model writes tool calls (default: recognised from its chat template)",
+    )
+    p.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,
@@ -192,6 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("GAPLESS_API_KEY") or None,
         max_body_bytes=int(args.max_body_mb * 2**20),
         shutdown_grace_s=args.shutdown_grace,
+        tool_call_parser=args.tool_call_parser,
     )
     log.info(
         "serving %r from %s: context %d tokens, %d KV blocks of %d tokens",
