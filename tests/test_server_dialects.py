@@ -289,6 +289,40 @@ def test_anthropic_tools_reach_the_template(
     assert counted.input_tokens == len(expected)
 
 
+def test_anthropic_forced_tool_use(claude: anthropic.Anthropic) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 60,
+        "tools": [{"name": "get_weather", "input_schema": schema}],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+    }
+    # Generated under the schema's grammar: always a valid call, whatever the weights.
+    message = claude.messages.create(**kwargs)
+    assert message.stop_reason == "tool_use"
+    [call] = [b for b in message.content if b.type == "tool_use"]
+    assert call.name == "get_weather" and call.id.startswith("toolu_")
+    valid = ({"city": "Paris"}, {"city": "Rome"})
+    assert call.input in valid
+
+    events = list(claude.messages.create(stream=True, **kwargs))
+    starts = [e.content_block for e in events if e.type == "content_block_start"]
+    assert [b.type for b in starts] == ["text", "tool_use"]
+    assert starts[1].name == "get_weather"
+    [json_delta] = [e.delta for e in events if e.type == "content_block_delta" and e.index == 1]
+    assert json.loads(json_delta.partial_json) in valid
+    assert events[-2].delta.stop_reason == "tool_use"
+    with claude.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert [b.input for b in final.content if b.type == "tool_use"][0] in valid
+
+
 @pytest.mark.parametrize(
     "body,param_text",
     [

@@ -168,18 +168,6 @@ def _chat_prompt(
     return protocol.encode_chat(tokenizer, messages, max_model_len, "messages", template_kwargs)
 
 
-def _tool_parser(tokenizer: Tokenizer, configured: str | None) -> str:
-    """The parser for a request that lets the model choose whether to call tools."""
-    parser = configured or tool_calls.detect_parser(tokenizer.chat_template)
-    if parser is None:
-        raise invalid(
-            "this model's chat template shows no tool-call format this server can read; "
-            f"start the server with --tool-call-parser ({', '.join(tool_calls.PARSERS)})",
-            "tools",
-        )
-    return parser
-
-
 def parse_chat(
     body: dict[str, Any],
     tokenizer: Tokenizer,
@@ -201,7 +189,7 @@ def parse_chat(
         schema = tool_calls.forced_calls_schema(tools)
         fields["grammar"] = checked_schema_grammar(schema, grammars, "tools")
     elif tools is not None and tools.tools:
-        parser = _tool_parser(tokenizer, tool_parser)
+        parser = tool_calls.choose_parser(tokenizer.chat_template, tool_parser)
         # Tool-call markers such as [TOOL_CALLS] are often special tokens: keep their text.
         fields.setdefault("skip_special_tokens", False)
     want_logprobs = bool(bool_field(body, "logprobs"))

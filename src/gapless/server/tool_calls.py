@@ -163,6 +163,18 @@ def detect_parser(chat_template: str | None) -> str | None:
     return None
 
 
+def choose_parser(chat_template: str | None, configured: str | None) -> str:
+    """The parser for a request that lets the model choose whether to call tools."""
+    parser = configured or detect_parser(chat_template)
+    if parser is None:
+        raise invalid(
+            "this model's chat template shows no tool-call format this server can read; "
+            f"start the server with --tool-call-parser ({', '.join(PARSERS)})",
+            "tools",
+        )
+    return parser
+
+
 def _call(obj: Any, arguments_key: str = "arguments") -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
