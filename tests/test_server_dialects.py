@@ -282,6 +282,8 @@ def test_anthropic_tools_reach_the_template(
     )
     usage = message.usage
     assert usage.input_tokens + usage.cache_read_input_tokens == len(expected)
+    counted = claude.messages.count_tokens(model=MODEL, tools=[tool], messages=messages)
+    assert counted.input_tokens == len(expected)
 
 
 @pytest.mark.parametrize(
@@ -297,6 +299,14 @@ def test_anthropic_tools_reach_the_template(
         (
             {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
             "image",
+        ),
+        (
+            {
+                "max_tokens": 5,
+                "system": [{"type": "image"}],
+                "messages": [{"role": "user", "content": "x"}],
+            },
+            "system: ",
         ),
         (
             {"max_tokens": 5, "temperature": "hot", "messages": [{"role": "user", "content": "x"}]},
@@ -428,7 +438,13 @@ def test_ollama_tags_show_version(
         ("/api/chat", b"{", 400, "JSON"),
         ("/api/chat", {"model": MODEL}, 400, "messages"),
         ("/api/chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "wizard"),
-        ("/api/chat", {"messages": [{"role": "user", "content": ["x"]}]}, 400, "content"),
+        # Ollama's errors have no `param`: the message leads with the field.
+        (
+            "/api/chat",
+            {"messages": [{"role": "user", "content": ["x"]}]},
+            400,
+            "messages[0].content: ",
+        ),
         (
             "/api/chat",
             {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},

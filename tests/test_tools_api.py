@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import openai
@@ -228,7 +230,17 @@ def test_n_choices_have_their_own_index_finish_and_usage(client):
     assert len({c.message.content for c in response.choices}) > 1
 
 
-def test_n_choices_stream_interleaved_and_share_the_prompt_kv(server, client):
+def test_n_choices_stream_interleaved_and_share_the_prompt_kv(server, client, monkeypatch):
+    # The engine steps only as the client reads, so it cannot finish (and free the blocks)
+    # before the KV use is sampled.
+    steps = threading.Semaphore(2)
+    execute = server.engine.runner.execute
+
+    def paced(*args: Any, **kwargs: Any) -> Any:
+        steps.acquire(timeout=30)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(server.engine.runner, "execute", paced)
     prompt = list(range(20, 20 + 256))  # 16 full blocks of 16 tokens
     stream = client.completions.create(
         model=MODEL,
@@ -249,6 +261,7 @@ def test_n_choices_stream_interleaved_and_share_the_prompt_kv(server, client):
             finishes[choice.index] = choice.finish_reason
         elif len(used) < 5:
             used.append(server.metrics()["gapless_kv_blocks_used"])
+        steps.release(1 if len(used) < 5 else 1000)
     assert finishes == {0: "length", 1: "length", 2: "length"}
     assert usage.prompt_tokens == 256 and usage.completion_tokens == 3 * 64
     # One prompt (16 blocks) plus each choice's own output blocks (64 tokens: at most 4 each);

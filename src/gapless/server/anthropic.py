@@ -1,4 +1,4 @@
-"""The Anthropic Messages dialect: POST /v1/messages.
+"""The Anthropic Messages dialect: POST /v1/messages and /v1/messages/count_tokens.
 
 A request (system, messages of text / tool_use / tool_result blocks, tools) becomes the
 chat-template conversation transformers' apply_chat_template takes; engine events become a
@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
@@ -38,7 +38,7 @@ def error_body(error: APIError) -> dict[str, Any]:
     kind = "request_too_large" if error.status == 413 else error.type
     return {
         "type": "error",
-        "error": {"type": _ERROR_TYPES.get(kind, kind), "message": error.message},
+        "error": {"type": _ERROR_TYPES.get(kind, kind), "message": error.message_naming_param()},
     }
 
 
@@ -119,6 +119,19 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return out
 
 
+def prompt_ids_of(body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int) -> list[int]:
+    """The prompt of `system`, `messages` and `tools` through the chat template."""
+    messages = protocol.chat_messages(body, ("user", "assistant"))
+    conversation = []
+    system = protocol.text_content(body.get("system"), "system")
+    if system:
+        conversation.append({"role": "system", "content": system})
+    for i, message in enumerate(messages):
+        conversation += _turn(message, i)
+    tools = {"tools": _tools(body)}
+    return protocol.encode_chat(tokenizer, conversation, max_model_len, "messages", tools)
+
+
 def parse_messages(
     body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int
 ) -> ParsedMessages:
@@ -127,16 +140,7 @@ def parse_messages(
         raise invalid("max_tokens is required", "max_tokens")
     if requested < 1:
         raise invalid(f"max_tokens must be at least 1, got {requested}", "max_tokens")
-    messages = protocol.chat_messages(body, ("user", "assistant"))
-    conversation = []
-    system = protocol.text_content(body.get("system"), "system")
-    if system:
-        conversation.append({"role": "system", "content": system})
-    for i, message in enumerate(messages):
-        conversation += _turn(message, i)
-    prompt_ids = protocol.encode_chat(
-        tokenizer, conversation, max_model_len, "messages", {"tools": _tools(body)}
-    )
+    prompt_ids = prompt_ids_of(body, tokenizer, max_model_len)
     fields = protocol.number_fields(
         body,
         floats={"temperature": "temperature", "top_p": "top_p"},
@@ -251,4 +255,16 @@ async def messages(state: ServerState, request: Request) -> Response:
     )
 
 
-ROUTES = [("POST", "/v1/messages", messages)]
+async def count_tokens(state: ServerState, request: Request) -> Response:
+    body = await read_json(state, request)
+    protocol.check_model(body.get("model"), state.settings.served_model_name)
+    prompt_ids = await anyio.to_thread.run_sync(
+        prompt_ids_of, body, state.engine.tokenizer, state.engine.max_model_len
+    )
+    return JSONResponse({"input_tokens": len(prompt_ids)})
+
+
+ROUTES = [
+    ("POST", "/v1/messages", messages),
+    ("POST", "/v1/messages/count_tokens", count_tokens),
+]

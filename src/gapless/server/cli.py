@@ -96,7 +96,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument(
         "--api-key",
-        help="require `Authorization: Bearer KEY` on /v1 (default: $GAPLESS_API_KEY if set)",
+        help="require `Authorization: Bearer KEY` or `x-api-key: KEY` on every API endpoint "
+        "(default: $GAPLESS_API_KEY if set)",
     )
     p.add_argument(
         "--max-queue", type=int, help="waiting requests beyond this get 503 (default: no limit)"
