@@ -1,0 +1,397 @@
+"""What every API dialect's endpoints share: reading the body, auth, admission into the engine,
+the response (streamed or whole) with cancel-on-disconnect, and errors.
+
+A dialect module (e.g. openai.py) parses its requests into prompt ids and
+SamplingParams, renders engine events with a Renderer subclass, shapes APIError with its own
+`error_body`, and lists its ROUTES; app.py registers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from gapless.engine.async_engine import AsyncEngine
+from gapless.engine.engine import Engine, QueueFull, RequestError
+from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent
+from gapless.engine.sampling_params import SamplingParams
+from gapless.server import protocol
+from gapless.server.protocol import APIError
+
+log = logging.getLogger("gapless.server")
+
+RETRY_AFTER_S = "1"
+
+# An APIError as one dialect's JSON error body.
+ErrorBody = Callable[[APIError], dict[str, Any]]
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 2**20
+    # On SIGTERM, in-flight requests get this long to finish before they are cancelled.
+    shutdown_grace_s: float = 30.0
+
+
+class ServerState:
+    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine)
+        self.settings = settings
+        self.created = protocol.now()
+        self.draining = False
+        self.live: set[str] = set()  # request ids whose response is still being written
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def request_started(self, request_id: str) -> None:
+        self.live.add(request_id)
+        self.idle.clear()
+
+    def request_ended(self, request_id: str) -> None:
+        self.live.discard(request_id)
+        if not self.live:
+            self.idle.set()
+
+
+def error_response(error: APIError, error_body: ErrorBody) -> JSONResponse:
+    return JSONResponse(error_body(error), error.status, headers=error.headers)
+
+
+def sse(obj: dict[str, Any] | str, event: str | None = None) -> bytes:
+    """One Server-Sent Event; `event` names its type (Anthropic's streams name every event)."""
+    text = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {text}\n\n".encode()
+
+
+def progress_comment(event: ProgressEvent) -> bytes:
+    """Prefill progress as an SSE comment, which SSE clients skip."""
+    info = json.dumps({"processed": event.processed, "total": event.total})
+    return f": prefill_progress {info}\n\n".encode()
+
+
+def ndjson(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+
+
+# -- rendering ------------------------------------------------------------------------------
+
+
+class Renderer:
+    """One request's engine events in one dialect: the pieces of its stream, or one JSON
+    object once it has finished."""
+
+    stream_media_type = "text/event-stream; charset=utf-8"
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+
+    def error_body(self, error: APIError) -> dict[str, Any]:
+        raise NotImplementedError
+
+    # Streaming.
+    def opening(self) -> list[bytes]:
+        return []
+
+    def progress(self, event: ProgressEvent) -> list[bytes]:
+        return []
+
+    def token(self, event: TokenEvent) -> list[bytes]:
+        raise NotImplementedError
+
+    def finished(self, event: FinishedEvent) -> list[bytes]:
+        """The stream's last pieces after a successful finish."""
+        raise NotImplementedError
+
+    def failed(self, error: APIError) -> list[bytes]:
+        """The stream's last pieces when the request failed after the stream began."""
+        raise NotImplementedError
+
+    # Not streaming.
+    def absorb(self, event: TokenEvent) -> None:
+        self.text.append(event.text)
+
+    def response(self, finished: FinishedEvent) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+async def _stream_body(
+    renderer: Renderer, events: AsyncIterator[Event], request_id: str
+) -> AsyncIterator[bytes]:
+    try:
+        for piece in renderer.opening():
+            yield piece
+        async for event in events:
+            if isinstance(event, ProgressEvent):
+                pieces = renderer.progress(event)
+            elif isinstance(event, TokenEvent):
+                pieces = renderer.token(event)
+            elif event.finish_reason == "error":
+                pieces = renderer.failed(
+                    protocol.server_error(event.error or "the request failed in the engine")
+                )
+            else:
+                pieces = renderer.finished(event)
+            for piece in pieces:
+                yield piece
+    except Exception as e:  # this request fails alone; its stream still ends properly
+        log.exception("request %s failed", request_id)
+        for piece in renderer.failed(protocol.server_error(f"{type(e).__name__}: {e}")):
+            yield piece
+    finally:
+        await events.aclose()
+
+
+async def _json_body(renderer: Renderer, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    try:
+        event = await anext(events)
+        while not isinstance(event, FinishedEvent):
+            if isinstance(event, TokenEvent):
+                renderer.absorb(event)
+            event = await anext(events)
+    finally:
+        await events.aclose()
+    if event.finish_reason == "error":
+        raise protocol.server_error(event.error or "the request failed in the engine")
+    yield json.dumps(renderer.response(event), ensure_ascii=False).encode()
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+class EngineResponse:
+    """An ASGI response for one engine request, streaming or not.
+
+    Nothing is sent until the body yields its first piece, so an error before then still
+    becomes a proper status code. The client connection is watched throughout: if it goes
+    away, the body is cancelled where it waits, which closes the engine stream and so cancels
+    the request at the next step. (Starlette's StreamingResponse notices a disconnect only
+    when a write fails, and does not close the body generator itself.)
+    """
+
+    def __init__(
+        self,
+        state: ServerState,
+        request_id: str,
+        renderer: Renderer,
+        events: AsyncIterator[Event],
+        stream: bool,
+    ) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.renderer = renderer
+        self.stream = stream
+        self.body = (
+            _stream_body(renderer, events, request_id) if stream else _json_body(renderer, events)
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.state.request_started(self.request_id)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+                await self._respond(scope, receive, send)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.body.aclose()
+            self.state.request_ended(self.request_id)
+
+    async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            first = await anext(self.body)
+        except Exception as e:  # never a bare 500 page, never a hang
+            if not isinstance(e, APIError):
+                log.exception("request %s failed", self.request_id)
+                e = protocol.server_error(f"{type(e).__name__}: {e}")
+            await error_response(e, self.renderer.error_body)(scope, receive, send)
+            return
+        try:
+            if not self.stream:
+                await Response(first, media_type="application/json")(scope, receive, send)
+                return
+            headers = [
+                (b"content-type", self.renderer.stream_media_type.encode()),
+                (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no"),  # proxies must not buffer the stream
+            ]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            async for piece in self.body:
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass  # the client went away mid-write; the finally in __call__ cleans up
+
+
+@contextlib.contextmanager
+def _admission_errors(prompt_param: str) -> Iterator[None]:
+    """The engine's refusals of a new request as API errors."""
+    try:
+        yield
+    except QueueFull as e:
+        raise APIError(
+            503,
+            str(e),
+            "overloaded_error",
+            code="queue_full",
+            headers={"Retry-After": RETRY_AFTER_S},
+        ) from e
+    except RequestError as e:
+        param = prompt_param if e.param == "prompt" else e.param
+        raise protocol.invalid(str(e), param, e.code) from e
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def generate(
+    state: ServerState,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    renderer: Renderer,
+    stream: bool,
+    request_id: str,
+    prompt_param: str = "prompt",
+) -> EngineResponse:
+    """Admits one request into the engine and answers with its events, as `renderer` shapes
+    them. AsyncEngine.stream adds the request at once, so a refusal (queue full, a prompt the
+    engine rejects) is raised here, before the response exists."""
+    if state.draining:
+        raise draining_error()
+    with _admission_errors(prompt_param):
+        events = state.async_engine.stream(prompt_ids, params, request_id)
+    return EngineResponse(state, request_id, renderer, events, stream)
+
+
+def draining_error() -> APIError:
+    return APIError(
+        503,
+        "the server is shutting down",
+        "overloaded_error",
+        code="shutting_down",
+        headers={"Retry-After": RETRY_AFTER_S},
+    )
+
+
+# -- requests -------------------------------------------------------------------------------
+
+
+def _require_json(request: Request) -> None:
+    """POST bodies must be declared JSON. Beyond clarity, this is what keeps a web page from
+    driving a server on localhost: a browser sends text/plain or form bodies cross-origin
+    without asking, but application/json only after a CORS preflight, which we never grant."""
+    declared = request.headers.get("content-type", "")
+    media_type = declared.partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(
+            415,
+            f"the Content-Type must be application/json, got {declared or 'none'!r}",
+            code="unsupported_media_type",
+        )
+
+
+def max_json_values(max_model_len: int) -> int:
+    """Every list item or object member a request holds costs at least one token of its
+    context (prompt ids, messages, tool schemas that the template renders) or is one of a
+    few dozen bounded fields, so a body with more than this many is refused unparsed:
+    parsing builds one Python object per value while holding the GIL, which a million stop
+    strings turned into a half-second stall of every stream."""
+    return 2 * max_model_len + 1024
+
+
+async def read_json(state: ServerState, request: Request) -> dict[str, Any]:
+    """The request's JSON object body, bounded in bytes and values before it is parsed."""
+    limit, max_model_len = state.settings.max_body_bytes, state.engine.max_model_len
+    too_large = APIError(
+        413, f"the request body is larger than {limit} bytes", code="request_too_large"
+    )
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    data = bytearray()
+    async for piece in request.stream():
+        data += piece
+        if len(data) > limit:
+            raise too_large
+    # A comma separates two values: counting them bounds the values without parsing.
+    values, most = data.count(b",") + 1, max_json_values(max_model_len)
+    if values > most:
+        raise APIError(
+            413,
+            f"the request body holds about {values} JSON values; no request that fits the "
+            f"{max_model_len}-token context needs more than {most}",
+            code="request_too_large",
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise protocol.invalid(f"the request body is not valid UTF-8: {e}") from e
+    try:
+        body = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise protocol.invalid(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise protocol.invalid("the request body must be a JSON object")
+    protocol.check_unicode(text, body)
+    return body
+
+
+def _authorize(state: ServerState, request: Request) -> None:
+    """The API key, as `Authorization: Bearer <key>` or (Anthropic's way) `x-api-key`."""
+    key = state.settings.api_key
+    if key is None:
+        return
+    given = request.headers.get("x-api-key")
+    if given is None:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise APIError(
+                401,
+                "no API key given; send it as `Authorization: Bearer <key>` or `x-api-key`",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+    if not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise APIError(401, "incorrect API key", "authentication_error", code="invalid_api_key")
+
+
+Handler = Callable[[ServerState, Request], Awaitable[Response]]
+
+
+def endpoint(
+    state: ServerState, handler: Handler, error_body: ErrorBody
+) -> Callable[[Request], Awaitable[Response]]:
+    """A route's handler behind authorization, with errors in its dialect's shape."""
+
+    async def run(request: Request) -> Response:
+        try:
+            _authorize(state, request)
+            if request.method == "POST":
+                _require_json(request)
+            return await handler(state, request)
+        except APIError as e:
+            return error_response(e, error_body)
+        except ClientDisconnect:  # any client can do this: one line, no traceback
+            log.info("client hung up before sending all of its request to %s", request.url.path)
+            return Response(status_code=400)
+
+    return run
