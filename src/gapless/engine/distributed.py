@@ -53,6 +53,12 @@ class Launch:
     threads: int | None = None  # torch threads per rank; default: the host's cores / its ranks
     device: str = "auto"
 
+    def __post_init__(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node rank {self.node_rank} is not one of {self.nnodes} hosts")
+        if self.collective_timeout_s <= 0:
+            raise ValueError("the collective timeout must be positive")
+
 
 @dataclass
 class LoadModel:
@@ -164,7 +170,9 @@ def _spawned(
     global _group
     parallel, store = _join(rank, local_rank, per_node, size, addr, port, False, Launch(**launch))
     _group = _Group(parallel, store, [])
-    raise SystemExit(serve_worker(parallel))
+    status = serve_worker(parallel)
+    stop()
+    raise SystemExit(status)
 
 
 def serve_worker(parallel: TensorParallel) -> int:
@@ -187,8 +195,8 @@ def serve_worker(parallel: TensorParallel) -> int:
                 runner.run(message)
     except Exception:
         log.exception("rank %d failed; exiting", parallel.rank)
+        _group.failed = True
         return 1
-    dist.destroy_process_group()
     return 0
 
 
