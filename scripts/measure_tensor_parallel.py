@@ -22,24 +22,26 @@ from gapless.engine.scheduler import ScheduledChunk
 from gapless.model.loader import load_decoder
 
 HISTORY = 128
+BLOCKS_PER_SEQ = 41  # a 512-token chunk after 128 tokens of history, and a spare
+BLOCKS = 8 * BLOCKS_PER_SEQ
 
 
 def runner_for(path: str, dtype: str, tp: int) -> ModelRunner:
     if tp == 1:
         torch.set_num_threads(2)
-        return ModelRunner(load_decoder(path, dtype), 256, 16)
+        return ModelRunner(load_decoder(path, dtype), BLOCKS, 16)
     parallel = distributed.start(tp, distributed.Launch(threads=1))
     parallel.broadcast(distributed.LoadModel(path, dtype))
     decoder = load_decoder(path, dtype, parallel.device, parallel)
-    parallel.broadcast(distributed.AllocateKV(256, 16))
-    return ModelRunner(decoder, 256, 16)
+    parallel.broadcast(distributed.AllocateKV(BLOCKS, 16))
+    return ModelRunner(decoder, BLOCKS, 16)
 
 
 def sequences(n: int, length: int) -> list[Request]:
     reqs = []
     for i in range(n):
         req = Request(f"s{i}", list(range(3, 3 + length)), SamplingParams())
-        req.block_table = list(range(i * 24, (i + 1) * 24))
+        req.block_table = list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ))
         reqs.append(req)
     return reqs
 
@@ -73,7 +75,7 @@ def main() -> None:
                 req.num_computed = HISTORY if tokens == 1 else 0
             if tokens == 1:  # the histories' KV, once
                 runner.execute([ScheduledChunk(r, HISTORY) for r in reqs], set())
-            ms = step_ms(runner, [ScheduledChunk(r, tokens) for r in reqs], 5 if tokens > 1 else 20)
+            ms = step_ms(runner, [ScheduledChunk(r, tokens) for r in reqs], 3 if tokens > 1 else 10)
             rows = batch * tokens
             reduced = 2 * cfg.num_layers * rows * cfg.hidden_size * size if tp > 1 else 0
             gathered = batch * cfg.vocab_size * size if tp > 1 else 0

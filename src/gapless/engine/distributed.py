@@ -148,7 +148,10 @@ def _join(
         world_size=size,
         timeout=timedelta(seconds=launch.collective_timeout_s),
     )
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    # Workers wait on it for as long as the server idles; rank 0's sends to a hung worker
+    # must time out like any collective. (gloo takes each process's timeout as its own.)
+    control_timeout = timedelta(seconds=launch.collective_timeout_s) if rank == 0 else IDLE_TIMEOUT
+    control = dist.new_group(backend="gloo", timeout=control_timeout)
     log.info("rank %d of %d on %s joined %s:%d", rank, size, device, addr, port)
     return TensorParallel(rank, size, dist.group.WORLD, control, device), store
 
