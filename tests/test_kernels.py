@@ -95,7 +95,7 @@ def test_history_in_scattered_blocks_is_attended_in_place(checkpoint, max_runs, 
     whole = run_chunks(runner, Seq(ids, 0), [100])
     seq = scattered(Seq(ids, 0), [20, 21, 9, 10, 11, 25, 26])
     run_chunks(runner, seq, [84])
-    batch, _ = runner._build([seq.chunk(12)], [True])
+    batch = runner._build([runner._input(seq.chunk(12), True)])
     runs = batch.groups[0].history_runs
     assert runs == ([(320, 32), (144, 48), (400, 4)] if max_runs == 8 else None)
     pieces = run_chunks(runner, seq, [12, 1, 1, 1, 1])  # a chunk, then lone decodes

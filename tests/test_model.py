@@ -61,7 +61,10 @@ def test_logits_match_transformers(checkpoint, arch, kernels_choice):
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_chunked_prefill_equals_one_call(checkpoint, arch, kernels_choice):
     decoder = load_decoder(checkpoint(arch), "float32")
-    runner = ModelRunner(decoder, 32, 16)
+    check_chunked_prefill_equals_one_call(ModelRunner(decoder, 32, 16))
+
+
+def check_chunked_prefill_equals_one_call(runner: ModelRunner) -> None:
     ids = prompt(7 + 1 * 9 + 64 * 2)
     whole = run_chunks(runner, Seq(ids, 0), [len(ids)])
     sizes = [1] * 9 + [7] + [64, 64]
@@ -72,7 +75,10 @@ def test_chunked_prefill_equals_one_call(checkpoint, arch, kernels_choice):
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])
 def test_ragged_batch_equals_each_sequence_alone(checkpoint, arch, kernels_choice):
     decoder = load_decoder(checkpoint(arch), "float32")
-    runner = ModelRunner(decoder, 64, 16)
+    check_ragged_batch_equals_each_sequence_alone(ModelRunner(decoder, 64, 16))
+
+
+def check_ragged_batch_equals_each_sequence_alone(runner: ModelRunner) -> None:
     prompts = [prompt(n, seed=n) for n in (40, 57, 33)]
     decoding = [prompt(n, seed=100 + n) for n in (30, 45)]
 

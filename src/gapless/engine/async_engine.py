@@ -6,11 +6,12 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from gapless.engine.engine import Engine
+from gapless.engine.engine import Engine, EngineFailed
 from gapless.engine.events import Event, FinishedEvent
 from gapless.engine.sampling_params import SamplingParams
+from gapless.model.parallel import RankFailed
 
 log = logging.getLogger("gapless.engine")
 
@@ -23,6 +24,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="gapless-engine", daemon=True)
+        # Set when the engine can run no more steps; then called, from the engine thread.
+        self.failure: str | None = None
+        self.on_failure: Callable[[], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -43,9 +47,11 @@ class AsyncEngine:
         """Adds a request now and returns its events, ending with the FinishedEvent of the last
         of its n choices.
 
-        Raises RequestError / QueueFull at once. If the consumer stops iterating early (a
-        client disconnect), the request is cancelled.
+        Raises RequestError / QueueFull / EngineFailed at once. If the consumer stops iterating
+        early (a client disconnect), the request is cancelled.
         """
+        if self.failure is not None:
+            raise EngineFailed(self.failure)
         queue: asyncio.Queue[Event] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
@@ -90,6 +96,11 @@ class AsyncEngine:
             steps = self.engine.num_steps
             try:
                 events = self.engine.step()
+            except RankFailed as exc:
+                log.error("%s; failing every request", exc)
+                self.failure = str(exc)
+                self._stopping = True
+                events = self.engine.fail_all(self.failure)
             except Exception as exc:  # an engine bug: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 events = self.engine.fail_all(f"{type(exc).__name__}: {exc}")
@@ -107,3 +118,5 @@ class AsyncEngine:
                     if not running[0]:
                         del self._streams[event.request_id]
                 loop.call_soon_threadsafe(queue.put_nowait, event)
+        if self.failure is not None and self.on_failure is not None:
+            self.on_failure()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from gapless.engine import distributed
 from gapless.engine.cost_model import LEARNING_CHUNK, StepCostModel, step_features
 from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent, TokenLogprob
 from gapless.engine.metrics import EngineMetrics
@@ -23,10 +24,11 @@ from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
 from gapless.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from gapless.engine.stopping import StopStringFilter
 from gapless.engine.structured import GrammarCompiler, GrammarError
+from gapless.kernels import rank_device
 from gapless.kv.block_pool import BlockPool
+from gapless.model.checkpoint import load_model
 from gapless.model.decoder import Decoder
-from gapless.model.gguf import is_gguf, load_gguf
-from gapless.model.loader import load_decoder
+from gapless.model.parallel import RankFailed
 from gapless.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("gapless.engine")
@@ -47,6 +49,10 @@ class QueueFull(RuntimeError):
     pass
 
 
+class EngineFailed(RuntimeError):
+    """The engine can run no more steps (a tensor-parallel rank failed)."""
+
+
 @dataclass
 class EngineConfig:
     dtype: str = "auto"
@@ -63,10 +69,12 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     target_itl_ms: float | None = None
     max_queue: int | None = None  # waiting requests beyond this are refused
-    num_threads: int | None = None
+    num_threads: int | None = None  # per rank under tensor parallelism
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         positive = ["block_size", "max_num_seqs", "prefill_chunk", "idle_prefill_chunk"]
+        positive.append("tensor_parallel_size")
         positive += [
             name
             for name in ("kv_cache_tokens", "max_model_len", "target_itl_ms", "num_threads")
@@ -149,17 +157,27 @@ class Engine:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        config: EngineConfig | None = None,
+        launch: distributed.Launch | None = None,
+    ) -> Engine:
+        """The engine of a checkpoint. With tensor_parallel_size > 1 this process is rank 0:
+        it forms the group (spawning this host's other ranks; `launch` says where they sit)
+        and every rank loads its shard."""
         config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        device = config.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if is_gguf(path):
-            return cls(*load_gguf(path, config.dtype, device), config)
-        decoder = load_decoder(path, config.dtype, device)
-        return cls(decoder, Tokenizer.from_pretrained(path), config)
+        if config.tensor_parallel_size == 1:
+            if config.num_threads:
+                torch.set_num_threads(config.num_threads)
+            return cls(*load_model(path, config.dtype, rank_device(config.device, 0)), config)
+        launch = launch or distributed.Launch(threads=config.num_threads, device=config.device)
+        parallel = distributed.start(config.tensor_parallel_size, launch)
+        parallel.broadcast(distributed.LoadModel(str(path), config.dtype))
+        engine = cls(*load_model(path, config.dtype, parallel.device, parallel), config)
+        runner = engine.runner
+        parallel.broadcast(distributed.AllocateKV(runner.num_blocks, runner.block_size))
+        return engine
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -321,6 +339,8 @@ class Engine:
         try:
             logits = self.runner.execute(chunks, {i for i, e in enumerate(every_row) if e})
             return list(zip(chunks, logits, strict=True))
+        except RankFailed:
+            raise  # not the chunks' fault, and the ranks can run nothing more
         except Exception as exc:
             if len(chunks) == 1:
                 self._fail(events, chunks[0].request, exc)
@@ -547,4 +567,4 @@ class Engine:
         }
 
 
-__all__ = ["Engine", "EngineConfig", "RequestError", "QueueFull", "ScheduledChunk"]
+__all__ = ["Engine", "EngineConfig", "EngineFailed", "RequestError", "QueueFull", "ScheduledChunk"]

@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from gapless.engine.scheduler import ScheduledChunk
 from gapless.model.decoder import AttentionGroup, BatchInput, Decoder
+from gapless.model.parallel import RankFailed
+
+
+@dataclass
+class ChunkInput:
+    """What the forward needs of one scheduled chunk. Under tensor parallelism this is what
+    rank 0 broadcasts each step: every rank derives the same batch from it (masks included,
+    which would be far larger to send)."""
+
+    token_ids: list[int]
+    start: int  # the position of the first token
+    block_table: list[int]  # the sequence's blocks, up to the one its last token is in
+    all_logits: bool  # return the logits of every token, not only the last one's
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.token_ids) if self.all_logits else 1
 
 
 class ModelRunner:
@@ -55,14 +74,31 @@ class ModelRunner:
         """
         # Decodes go first so that they form one contiguous block of rows: one attention call.
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_tokens != 1)
-        batch, row_counts = self._build(
-            [chunks[i] for i in order], [i in all_logits for i in order]
-        )
-        logits = self.decoder.forward(batch, self.kv_cache).split(row_counts)
+        inputs = [self._input(chunks[i], i in all_logits) for i in order]
+        logits = self.run(inputs).split([c.num_rows for c in inputs])
         by_chunk: list[torch.Tensor] = [logits[0]] * len(chunks)
         for position, i in enumerate(order):
             by_chunk[i] = logits[position]
         return by_chunk
+
+    def run(self, inputs: list[ChunkInput]) -> torch.Tensor:
+        """One forward over the inputs' rows. Under tensor parallelism, rank 0 first sends
+        them to the other ranks, which call this with them; then any failure is a rank's."""
+        parallel = self.decoder.parallel
+        if parallel is None:
+            return self.decoder.forward(self._build(inputs), self.kv_cache)
+        try:
+            if parallel.rank == 0:
+                parallel.broadcast(inputs)
+            return self.decoder.forward(self._build(inputs), self.kv_cache)
+        except Exception as exc:
+            raise RankFailed(parallel.diagnose(exc)) from exc
+
+    def _input(self, chunk: ScheduledChunk, all_logits: bool) -> ChunkInput:
+        req, start = chunk.request, chunk.request.num_computed
+        end = start + chunk.num_tokens
+        table = req.block_table[: -(-end // self.block_size)]
+        return ChunkInput(req.tokens(start, end), start, table, all_logits)
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -75,29 +111,23 @@ class ModelRunner:
         first = max(0, first_query - self.max_window + 1)
         return first - first % self.block_size
 
-    def _build(
-        self, chunks: list[ScheduledChunk], all_logits: list[bool]
-    ) -> tuple[BatchInput, list[int]]:
+    def _build(self, inputs: list[ChunkInput]) -> BatchInput:
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
         write_slots: list[int] = []
         logit_rows: list[int] = []
-        row_counts: list[int] = []
         decode_keys: list[tuple[int, int, list[int]]] = []  # (first key pos, query pos, blocks)
         groups: list[AttentionGroup] = []
-        for chunk, every_row in zip(chunks, all_logits, strict=True):
-            req, n = chunk.request, chunk.num_tokens
-            start = req.num_computed
+        for chunk in inputs:
+            start, n = chunk.start, len(chunk.token_ids)
             row = len(token_ids)
-            token_ids += req.tokens(start, start + n)
+            token_ids += chunk.token_ids
             positions += range(start, start + n)
-            write_slots += self._slots(req.block_table, start, start + n)
-            rows = list(range(row, row + n)) if every_row else [row + n - 1]
-            logit_rows += rows
-            row_counts.append(len(rows))
+            write_slots += self._slots(chunk.block_table, start, start + n)
+            logit_rows += range(row, row + n) if chunk.all_logits else [row + n - 1]
             key_start = self._key_start(start)
-            blocks = req.block_table[key_start // bs : -(-(start + n) // bs)]
+            blocks = chunk.block_table[key_start // bs :]
             if n == 1:
                 decode_keys.append((key_start, start, blocks))
             else:
@@ -109,14 +139,13 @@ class ModelRunner:
         elif decode_keys:
             groups.insert(0, self._decode_group(decode_keys))
         dev = self.decoder.device
-        batch = BatchInput(
+        return BatchInput(
             token_ids=torch.tensor(token_ids, device=dev),
             positions=torch.tensor(positions, device=dev),
             write_slots=torch.tensor(write_slots, device=dev),
             groups=groups,
             logit_rows=torch.tensor(logit_rows, device=dev),
         )
-        return batch, row_counts
 
     def _masks(
         self, query_pos: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor

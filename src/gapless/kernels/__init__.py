@@ -25,7 +25,15 @@ from gapless.kernels.probe import cpu_flash_works, machine, packed_linear_works
 if TYPE_CHECKING:
     from gapless.model.decoder import AttentionGroup
 
-__all__ = ["Kernels", "Linear", "resolve_dtype", "select", "tune_allocator"]
+__all__ = [
+    "Kernels",
+    "Linear",
+    "collective_backend",
+    "rank_device",
+    "resolve_dtype",
+    "select",
+    "tune_allocator",
+]
 
 log = logging.getLogger("gapless.kernels")
 
@@ -122,6 +130,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def collective_backend(device: str) -> str:
+    """torch.distributed's backend for the step collectives between ranks on this device."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    """The device of the local_rank-th rank on a host, its own GPU or the CPU, made this
+    process's current device (NCCL needs that)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 @functools.cache

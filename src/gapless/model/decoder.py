@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from gapless.kernels import Kernels, Linear
 from gapless.model.config import ModelConfig
+from gapless.model.parallel import TensorParallel
 
 
 @dataclass
@@ -99,6 +100,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, swapped, signed_sin)
 
 
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class Decoder:
     def __init__(
         self,
@@ -108,6 +113,7 @@ class Decoder:
         final_norm: torch.Tensor,
         lm_head: Linear,
         kernels: Kernels,
+        parallel: TensorParallel | None = None,
     ) -> None:
         self.config = config
         self.kernels = kernels
@@ -118,6 +124,11 @@ class Decoder:
         self.inv_freq = rope_inv_freq(config).to(embed.device)
         self.dtype = embed.dtype
         self.device = embed.device
+        self.parallel = parallel
+        # Tensor parallel: sums the ranks' partial outputs of o and down; gathers the ranks'
+        # vocabulary slices of the logits.
+        self.all_reduce = parallel.all_reduce if parallel else _unchanged
+        self.gather_vocab = parallel.gather_vocab if parallel else _unchanged
 
     @torch.inference_mode()
     def forward(
@@ -149,8 +160,8 @@ class Decoder:
             k_cache.flatten(0, 1).index_copy_(0, batch.write_slots, k)
             v_cache.flatten(0, 1).index_copy_(0, batch.write_slots, v)
             attn = self.kernels.attention(q, k, v, (k_cache, v_cache), batch.groups, window)
-            x = x + layer.o(attn)
+            x = x + self.all_reduce(layer.o(attn))
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x = x + layer.down(layer.up.times(h, layer.gate.silu(h)))
+            x = x + self.all_reduce(layer.down(layer.up.times(h, layer.gate.silu(h))))
         x = rms_norm(x[batch.logit_rows], self.final_norm, cfg.rms_norm_eps)
-        return self.lm_head(x).float()
+        return self.gather_vocab(self.lm_head(x))[:, : cfg.vocab_size].float()

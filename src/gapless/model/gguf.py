@@ -28,6 +28,7 @@ from gapless.model.loader import (
     check_shape,
     expected_shapes,
 )
+from gapless.model.parallel import TensorParallel
 from gapless.model.tokenizer import Tokenizer
 
 # general.architecture -> the Hugging Face architecture with the same decoder.
@@ -215,7 +216,10 @@ class _Reader(gguf.GGUFReader):
 
 
 def load_gguf(
-    path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    parallel: TensorParallel | None = None,
 ) -> tuple[Decoder, Tokenizer]:
     """The decoder and tokenizer of a GGUF file."""
     path = Path(path)
@@ -237,7 +241,8 @@ def load_gguf(
         ):
             w = unpermute_rope_rows(w, heads)
         weights[hf_name] = w.to(device=dev, dtype=run_dtype)
-    return build_decoder(cfg, weights, select(dev, run_dtype)), tokenizer_from_gguf(reader)
+    decoder = build_decoder(cfg, weights, select(dev, run_dtype), parallel)
+    return decoder, tokenizer_from_gguf(reader)
 
 
 def is_gguf(path: str | Path) -> bool:

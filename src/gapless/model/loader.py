@@ -12,6 +12,7 @@ from tqdm import tqdm
 from gapless.kernels import Kernels, resolve_dtype, select, tune_allocator
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder, Layer
+from gapless.model.parallel import TensorParallel, shard_config, shard_weights
 
 
 class WeightError(ValueError):
@@ -114,18 +115,30 @@ def load_weights(
 
 
 def load_decoder(
-    path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    parallel: TensorParallel | None = None,
 ) -> Decoder:
     path = Path(path)
     cfg = ModelConfig.from_pretrained(path)
     dev = torch.device(device)
     dt = resolve_dtype(dtype, dev)
-    return build_decoder(cfg, load_weights(path, cfg, dt, dev), select(dev, dt))
+    return build_decoder(cfg, load_weights(path, cfg, dt, dev), select(dev, dt), parallel)
 
 
-def build_decoder(cfg: ModelConfig, w: dict[str, torch.Tensor], kernels: Kernels) -> Decoder:
-    """A Decoder from checked weights under Hugging Face names (the dict is consumed)."""
+def build_decoder(
+    cfg: ModelConfig,
+    w: dict[str, torch.Tensor],
+    kernels: Kernels,
+    parallel: TensorParallel | None = None,
+) -> Decoder:
+    """A Decoder from checked weights under Hugging Face names (the dict is consumed); with
+    `parallel`, of this rank's shard (cut from the float weights, before any linear is built)."""
     tune_allocator()
+    if parallel is not None:
+        w = shard_weights(cfg, w, parallel.rank, parallel.size)
+        cfg = shard_config(cfg, parallel.size)
 
     def cat(*names: str) -> torch.Tensor | None:
         if names[0] not in w:
@@ -158,4 +171,4 @@ def build_decoder(cfg: ModelConfig, w: dict[str, torch.Tensor], kernels: Kernels
         )
     embed = w.pop("model.embed_tokens.weight")
     lm_head = kernels.linear(embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
-    return Decoder(cfg, embed, layers, w.pop("model.norm.weight"), lm_head, kernels)
+    return Decoder(cfg, embed, layers, w.pop("model.norm.weight"), lm_head, kernels, parallel)

@@ -38,12 +38,17 @@ __all__ = ["GaplessServer", "ServerSettings", "build_app", "max_json_values"]
 
 log = logging.getLogger("gapless.server")
 
+# After the engine failed, the server answers 503 this long before it exits.
+FAILED_LINGER_S = 2.0
+
 # One module per API dialect: its ROUTES, and its error_body for every error on them.
 DIALECTS = (openai, anthropic, ollama)
 
 
 def build_app(state: ServerState) -> Starlette:
     async def health(request: Request) -> Response:
+        if state.async_engine.failure is not None:
+            return JSONResponse({"status": "failed"}, 503)
         if state.draining:
             return JSONResponse({"status": "draining"}, 503)
         return JSONResponse({"status": "ok"})
@@ -131,11 +136,13 @@ class GaplessServer:
         self.uvicorn = _Uvicorn(config, self)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.cut_short = asyncio.Event()  # the drain is to cancel everything now
+        self.state.async_engine.on_failure = self._engine_failed
 
     def run(self, sockets: list[socket.socket] | None = None) -> int:
-        """Serves until stopped; 0 after a drain, 1 when a second signal cut it short."""
+        """Serves until stopped; 0 after a drain, 1 when a second signal cut it short or the
+        engine failed."""
         asyncio.run(self.serve(sockets))
-        return 1 if self.cut_short.is_set() else 0
+        return 1 if self.cut_short.is_set() or self.state.async_engine.failure else 0
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -154,6 +161,15 @@ class GaplessServer:
         # A closed loop means the server has already stopped.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._begin_drain)
+
+    def _engine_failed(self) -> None:
+        """Stops the server a moment after the engine failed: in that moment new requests
+        get a 503 rather than a refused connection. Thread-safe."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(
+                    self._loop.call_later, FAILED_LINGER_S, self._begin_drain
+                )
 
     def stop_now(self) -> None:
         """Ends the drain early: in-flight requests are cancelled at once. Thread-safe."""

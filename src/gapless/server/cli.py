@@ -107,7 +107,32 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         type=float,
         help="size prefill chunks so decode steps stay under this inter-token latency",
     )
-    p.add_argument("--threads", type=int, help="CPU threads for torch")
+    p.add_argument(
+        "--threads", type=int, help="CPU threads for torch (per rank; default: its share)"
+    )
+    tp = p.add_argument_group("tensor parallelism (see docs/distributed.md)")
+    tp.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N ranks (processes), on this host or --nnodes hosts",
+    )
+    tp.add_argument("--nnodes", type=int, default=1, help="hosts, as torchrun (%(default)s)")
+    tp.add_argument("--node-rank", type=int, default=0, help="this host's index (%(default)s)")
+    tp.add_argument(
+        "--master-addr", default="127.0.0.1", help="node 0's address, as torchrun (%(default)s)"
+    )
+    tp.add_argument(
+        "--master-port", type=int, help="node 0's rendezvous port (29500; one host: any free)"
+    )
+    tp.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a rank silent this long in a step fails the server (%(default)s)",
+    )
     p.add_argument(
         "--max-body-mb",
         type=float,
@@ -152,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from gapless.engine import distributed
     from gapless.engine.engine import Engine, EngineConfig
     from gapless.model.gguf import is_gguf, model_name
     from gapless.server.app import GaplessServer, ServerSettings
@@ -185,12 +211,26 @@ def _serve(args: argparse.Namespace) -> int:
             target_itl_ms=args.target_itl_ms,
             max_queue=args.max_queue,
             num_threads=args.threads,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
+        launch = distributed.Launch(
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            collective_timeout_s=args.collective_timeout,
+            threads=args.threads,
+            device=args.device,
+        )
+        if config.tensor_parallel_size > 1:
+            parallel = distributed.start(config.tensor_parallel_size, launch)
+            if parallel.rank != 0:  # a worker: rank 0 schedules and serves
+                return distributed.serve_worker(parallel)
     except ValueError as e:
         log.error("bad option: %s", e)
         return 2
     try:
-        engine = Engine.from_pretrained(model_dir, config)
+        engine = Engine.from_pretrained(model_dir, config, launch)
     except (OSError, ValueError) as e:
         log.error("cannot load %s: %s", model_dir, e)
         return 2

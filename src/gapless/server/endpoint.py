@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from gapless.engine.async_engine import AsyncEngine
-from gapless.engine.engine import Engine, QueueFull, RequestError
+from gapless.engine.engine import Engine, EngineFailed, QueueFull, RequestError
 from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
 from gapless.server import protocol
@@ -263,6 +263,8 @@ def _admission_errors(prompt_param: str) -> Iterator[None]:
             code="queue_full",
             headers={"Retry-After": RETRY_AFTER_S},
         ) from e
+    except EngineFailed as e:
+        raise APIError(503, f"the engine failed: {e}", "server_error", code="engine_failed") from e
     except RequestError as e:
         param = prompt_param if e.param == "prompt" else e.param
         raise protocol.invalid(str(e), param, e.code) from e

@@ -1,0 +1,99 @@
+"""Tensor-parallel overhead: one forward step at TP=1 (2 threads) and TP=2 (1 thread per rank).
+
+    flock /work/bench.lock .venv/bin/python scripts/measure_tensor_parallel.py /tmp/q05
+
+Both runners live in this process (rank 0; the TP=1 one uses 2 threads while the worker
+waits) and their steps alternate, so that a shared machine's load hits both alike. Times the
+decode step at batch 1 and 8 (128-token histories) and a fresh 512-token prompt chunk, and
+prints the bytes each TP=2 step all-reduces and sends to rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from gapless import SamplingParams
+from gapless.engine import distributed
+from gapless.engine.request import Request
+from gapless.engine.runner import ModelRunner
+from gapless.engine.scheduler import ScheduledChunk
+from gapless.model.loader import load_decoder
+
+HISTORY = 128
+BLOCKS_PER_SEQ = 41  # a 512-token chunk after 128 tokens of history, and a spare
+BLOCKS = 8 * BLOCKS_PER_SEQ
+
+
+def sharded_runner(path: str, dtype: str) -> ModelRunner:
+    parallel = distributed.start(2, distributed.Launch(threads=1))
+    parallel.broadcast(distributed.LoadModel(path, dtype))
+    decoder = load_decoder(path, dtype, parallel.device, parallel)
+    parallel.broadcast(distributed.AllocateKV(BLOCKS, 16))
+    return ModelRunner(decoder, BLOCKS, 16)
+
+
+def chunks(batch: int, tokens: int) -> list[ScheduledChunk]:
+    out = []
+    for i in range(batch):
+        req = Request(f"s{i}", list(range(3, 3 + HISTORY + tokens)), SamplingParams())
+        req.block_table = list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ))
+        req.num_computed = HISTORY if tokens == 1 else 0
+        out.append(ScheduledChunk(req, tokens))
+    return out
+
+
+def timed(runner: ModelRunner, step: list[ScheduledChunk], threads: int) -> float:
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    runner.execute(step, set())
+    return (time.perf_counter() - start) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeats", type=int, default=8)
+    args = ap.parse_args()
+    two = sharded_runner(args.model, args.dtype)
+    one = ModelRunner(load_decoder(args.model, args.dtype), BLOCKS, 16)
+    cfg, size = two.decoder.config, two.decoder.embed.element_size()
+    for name, batch, tokens in (("decode b1", 1, 1), ("decode b8", 8, 1), ("chunk 512", 1, 512)):
+        step = chunks(batch, tokens)
+        if tokens == 1:  # the histories' KV, once
+            history = [ScheduledChunk(c.request, HISTORY) for c in chunks(batch, tokens)]
+            for c in history:
+                c.request.num_computed = 0
+            one.execute(history, set())
+            two.execute(history, set())
+        times: dict[int, list[float]] = {1: [], 2: []}
+        for i in range(args.repeats + 1):  # the first round warms up
+            for tp, runner, threads in ((1, one, 2), (2, two, 1)):
+                ms = timed(runner, step, threads)
+                if i:
+                    times[tp].append(ms)
+        rows = batch * tokens
+        reduced = 2 * cfg.num_layers * rows * cfg.hidden_size * size
+        # the other rank's vocabulary slice of the logit rows
+        sent = batch * -(-cfg.vocab_size // 2) * size
+        for tp in (1, 2):
+            t = times[tp]
+            print(
+                f"tp={tp} {name}: min {min(t):7.1f} ms, median {statistics.median(t):7.1f} ms"
+                + (
+                    f"; all-reduced {reduced / 1e6:.3f} MB in {2 * cfg.num_layers} all-reduces, "
+                    f"logits sent to rank 0 {sent / 1e6:.3f} MB"
+                    if tp == 2
+                    else ""
+                ),
+                flush=True,
+            )
+    distributed.stop()
+
+
+if __name__ == "__main__":
+    main()

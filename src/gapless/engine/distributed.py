@@ -1,0 +1,245 @@
+"""Tensor-parallel ranks as processes: forming the group, the workers' loop, shutting down.
+
+Rank 0 runs the scheduler, the sampler and the HTTP server; every other rank is a worker that
+runs forwards on its shard of the model. Rank 0 broadcasts each step's inputs on a control
+group (gloo, no timeout to speak of, since workers wait on it while the server idles); the
+forward's own collectives run on the default group, under the collective timeout.
+
+A process either runs under torchrun (RANK, WORLD_SIZE, ... in its environment) and is one
+rank, or is its host's first rank and spawns the host's others.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gapless.engine.runner import ModelRunner
+from gapless.kernels import collective_backend, rank_device
+from gapless.model.checkpoint import load_model
+from gapless.model.decoder import Decoder
+from gapless.model.parallel import TensorParallel
+
+log = logging.getLogger("gapless.distributed")
+
+DEFAULT_PORT = 29500  # torchrun's
+STARTUP_TIMEOUT = timedelta(minutes=10)  # for every rank to join
+IDLE_TIMEOUT = timedelta(days=365)  # workers wait this long for rank 0's next step
+HEARTBEAT_S = 0.5
+
+
+@dataclass
+class Launch:
+    """Where this process's ranks sit; the first four have torchrun's names and meaning."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # default: 29500, or a free port when on one host
+    collective_timeout_s: float = 60.0
+    threads: int | None = None  # torch threads per rank; default: the host's cores / its ranks
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node rank {self.node_rank} is not one of {self.nnodes} hosts")
+        if self.collective_timeout_s <= 0:
+            raise ValueError("the collective timeout must be positive")
+
+
+@dataclass
+class LoadModel:
+    path: str
+    dtype: str
+
+
+@dataclass
+class AllocateKV:
+    num_blocks: int
+    block_size: int
+
+
+@dataclass
+class _Group:
+    parallel: TensorParallel
+    store: dist.Store
+    children: list[subprocess.Popen]
+    failed: bool = False
+
+
+_group: _Group | None = None
+
+
+def start(size: int, launch: Launch) -> TensorParallel:
+    """This process's rank in a group of `size` (formed on the first call; later calls return
+    it). Off torchrun, spawns the other ranks of this host first."""
+    global _group
+    if _group is not None:
+        if _group.parallel.size != size:
+            raise ValueError(f"this process is already in a group of {_group.parallel.size}")
+        return _group.parallel
+    env = os.environ
+    children: list[subprocess.Popen] = []
+    if "RANK" in env and "WORLD_SIZE" in env:  # started by torchrun
+        rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", 0))
+        per_node = int(env.get("LOCAL_WORLD_SIZE", 1))
+        if int(env["WORLD_SIZE"]) != size:
+            raise ValueError(
+                f"tensor parallel size {size}, but torchrun started {env['WORLD_SIZE']} ranks"
+            )
+        addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        # torchrun's agent may already serve the rendezvous store on MASTER_PORT.
+        store_host = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    else:
+        if size % launch.nnodes:
+            raise ValueError(f"{size} ranks do not split evenly over {launch.nnodes} hosts")
+        per_node, local_rank = size // launch.nnodes, 0
+        rank = launch.node_rank * per_node
+        addr = launch.master_addr
+        port = launch.master_port or (_free_port(addr) if launch.nnodes == 1 else DEFAULT_PORT)
+        store_host = rank == 0
+        for local in range(1, per_node):
+            children.append(_spawn(rank + local, local, per_node, size, addr, port, launch))
+    parallel, store = _join(rank, local_rank, per_node, size, addr, port, store_host, launch)
+    _group = _Group(parallel, store, children)
+    if rank == 0:
+        parallel.diagnose = _diagnose
+    atexit.register(stop)
+    return parallel
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _join(
+    rank: int,
+    local_rank: int,
+    per_node: int,
+    size: int,
+    addr: str,
+    port: int,
+    store_host: bool,
+    launch: Launch,
+) -> tuple[TensorParallel, dist.Store]:
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(launch.threads or max(1, cores // per_node))
+    device = rank_device(launch.device, local_rank)
+    store = dist.TCPStore(addr, port, size, store_host, timeout=STARTUP_TIMEOUT)
+    dist.init_process_group(
+        collective_backend(device),
+        store=store,
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=launch.collective_timeout_s),
+    )
+    # Workers wait on it for as long as the server idles; rank 0's sends to a hung worker
+    # must time out like any collective. (gloo takes each process's timeout as its own.)
+    control_timeout = timedelta(seconds=launch.collective_timeout_s) if rank == 0 else IDLE_TIMEOUT
+    control = dist.new_group(backend="gloo", timeout=control_timeout)
+    log.info("rank %d of %d on %s joined %s:%d", rank, size, device, addr, port)
+    return TensorParallel(rank, size, dist.group.WORLD, control, device), store
+
+
+def _spawn(
+    rank: int, local_rank: int, per_node: int, size: int, addr: str, port: int, launch: Launch
+) -> subprocess.Popen:
+    """A worker rank as a fresh interpreter (not multiprocessing, which would re-run the
+    caller's main module in it)."""
+    args = json.dumps([rank, local_rank, per_node, size, addr, port, dataclasses.asdict(launch)])
+    code = f"import json, gapless.engine.distributed as d; d._spawned(*json.loads({args!r}))"
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def _spawned(
+    rank: int, local_rank: int, per_node: int, size: int, addr: str, port: int, launch: dict
+) -> None:
+    logging.basicConfig(level="INFO", format=f"%(levelname)s:     rank {rank}: %(message)s")
+    global _group
+    parallel, store = _join(rank, local_rank, per_node, size, addr, port, False, Launch(**launch))
+    _group = _Group(parallel, store, [])
+    status = serve_worker(parallel)
+    stop()
+    raise SystemExit(status)
+
+
+def serve_worker(parallel: TensorParallel) -> int:
+    """A worker rank: runs what rank 0 broadcasts until it says stop. The exit status."""
+    assert _group is not None
+    store = _group.store
+    threading.Thread(target=_beat, args=(store, parallel.rank), daemon=True).start()
+    decoder: Decoder | None = None
+    runner: ModelRunner | None = None
+    try:
+        while (message := parallel.broadcast()) is not None:
+            if isinstance(message, LoadModel):
+                runner = None  # frees the old model's KV cache first
+                decoder, _ = load_model(message.path, message.dtype, parallel.device, parallel)
+            elif isinstance(message, AllocateKV):
+                assert decoder is not None
+                runner = ModelRunner(decoder, message.num_blocks, message.block_size)
+            else:
+                assert runner is not None
+                runner.run(message)
+    except Exception:
+        log.exception("rank %d failed; exiting", parallel.rank)
+        _group.failed = True
+        return 1
+    return 0
+
+
+def _beat(store: dist.Store, rank: int) -> None:
+    while True:
+        store.add(f"heartbeat/{rank}", 1)
+        time.sleep(HEARTBEAT_S)
+
+
+def _diagnose(exc: BaseException) -> str:
+    """Rank 0's account of a failed step: which workers stopped beating. A worker that died
+    or hangs stops; one that only waits in a collective for another does not."""
+    assert _group is not None
+    _group.failed = True
+    ranks = range(1, _group.parallel.size)
+    before = [_group.store.add(f"heartbeat/{r}", 0) for r in ranks]
+    time.sleep(4 * HEARTBEAT_S)
+    after = [_group.store.add(f"heartbeat/{r}", 0) for r in ranks]
+    silent = [str(r) for r, b, a in zip(ranks, before, after, strict=True) if a == b]
+    who = f"rank {', '.join(silent)} stopped responding" if silent else "a rank failed"
+    return f"tensor parallel: {who} ({type(exc).__name__}: {exc})"
+
+
+def stop() -> None:
+    """Tells the workers to exit and waits for this host's; idempotent. After a failed step
+    nothing is sent (a hung worker could block it): the others' collectives time out."""
+    global _group
+    group, _group = _group, None
+    if group is None:
+        return
+    if group.parallel.rank == 0 and not group.failed:
+        try:
+            group.parallel.broadcast(None)
+        except RuntimeError as e:
+            log.warning("could not tell every rank to stop: %s", e)
+    for child in group.children:
+        try:
+            child.wait(timeout=0 if group.failed else 10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    if not group.failed:
+        dist.destroy_process_group()

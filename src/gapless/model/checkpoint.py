@@ -1,0 +1,25 @@
+"""Load a checkpoint in any supported format: a Hugging Face directory or a GGUF file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gapless.model.decoder import Decoder
+from gapless.model.gguf import is_gguf, load_gguf
+from gapless.model.loader import load_decoder
+from gapless.model.parallel import TensorParallel
+from gapless.model.tokenizer import Tokenizer
+
+
+def load_model(
+    path: str | Path,
+    dtype: str = "auto",
+    device: str | torch.device = "cpu",
+    parallel: TensorParallel | None = None,
+) -> tuple[Decoder, Tokenizer]:
+    """The decoder (this rank's shard of it, with `parallel`) and the tokenizer."""
+    if is_gguf(path):
+        return load_gguf(path, dtype, device, parallel)
+    return load_decoder(path, dtype, device, parallel), Tokenizer.from_pretrained(path)

@@ -1,0 +1,133 @@
+"""Tensor parallelism, Megatron-style: which slice of each weight a rank holds, and the two
+collectives its forward needs.
+
+q/k/v and gate/up are split by output features (each rank owns whole heads and a slice of
+the MLP), o and down by input features: each rank's o and down produce a partial sum of the
+full hidden state, and one all-reduce per projection adds them. KV heads are split with their
+query heads; when there are fewer KV heads than ranks, each rank keeps the one KV head its
+query heads read (replicated, as vLLM does). lm_head is split by vocabulary and rank 0
+gathers the logits. The embedding and the norms are replicated: they are small and need no
+communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gapless.model.config import ModelConfig
+
+
+class ShardError(ValueError):
+    pass
+
+
+class RankFailed(RuntimeError):
+    """A tensor-parallel step failed: a rank died, hung or erred. The ranks' collectives are
+    out of step from then on, so no further step can run."""
+
+
+def _just_the_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass
+class TensorParallel:
+    rank: int
+    size: int
+    steps: dist.ProcessGroup  # the forward's collectives, with the collective timeout
+    control: dist.ProcessGroup  # step broadcasts; workers wait on it while the server idles
+    device: str  # this rank's
+    # Explains a failed step, naming the rank(s) at fault where the launcher can tell.
+    diagnose: Callable[[BaseException], str] = _just_the_error
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.steps)
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Rank 0 gets every rank's vocabulary slice side by side, [R, padded vocab]; the
+        other ranks get their own slice back."""
+        parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(logits, parts, dst=0, group=self.steps)
+        return torch.cat(parts, dim=-1) if parts is not None else logits
+
+    def broadcast(self, message: object = None) -> object:
+        """Rank 0's message, on every rank."""
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+
+def check_shardable(cfg: ModelConfig, size: int) -> None:
+    heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
+    if heads % size:
+        raise ShardError(f"{heads} attention heads do not split over {size} ranks")
+    if kv_heads % size and size % kv_heads:
+        raise ShardError(
+            f"{kv_heads} KV heads neither split over {size} ranks nor divide it (to replicate)"
+        )
+    if cfg.intermediate_size % size:
+        raise ShardError(f"intermediate size {cfg.intermediate_size} does not split over {size}")
+
+
+def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """One rank's view: its heads and MLP slice. vocab_size stays whole, since the decoder
+    returns gathered logits; lm_head is always its own tensor (a slice even when tied)."""
+    check_shardable(cfg, size)
+    return dataclasses.replace(
+        cfg,
+        num_heads=cfg.num_heads // size,
+        num_kv_heads=max(1, cfg.num_kv_heads // size),
+        intermediate_size=cfg.intermediate_size // size,
+        tie_word_embeddings=False,
+    )
+
+
+def shard_weights(
+    cfg: ModelConfig, w: dict[str, torch.Tensor], rank: int, size: int
+) -> dict[str, torch.Tensor]:
+    """Replaces full weights under Hugging Face names by this rank's slices, in place."""
+    local = shard_config(cfg, size)
+    d = cfg.head_dim
+    q_rows = slice(rank * local.num_heads * d, (rank + 1) * local.num_heads * d)
+    first_kv = rank * cfg.num_kv_heads // size  # the replicated head when kv heads < ranks
+    kv_rows = slice(first_kv * d, (first_kv + local.num_kv_heads) * d)
+    inter = local.intermediate_size
+    mlp_rows = slice(rank * inter, (rank + 1) * inter)
+    rows = {
+        "self_attn.q_proj": q_rows,
+        "self_attn.k_proj": kv_rows,
+        "self_attn.v_proj": kv_rows,
+        "mlp.gate_proj": mlp_rows,
+        "mlp.up_proj": mlp_rows,
+    }
+    columns = {"self_attn.o_proj": q_rows, "mlp.down_proj": mlp_rows}
+    for name in list(w):
+        # model.layers.{i}.{module}.{weight or bias}
+        module, _, kind = name.split(".", 3)[-1].rpartition(".")
+        if module in rows:
+            w[name] = w[name][rows[module]].clone()
+        elif module in columns and kind == "weight":
+            w[name] = w[name][:, columns[module]].contiguous()
+        elif module in columns and rank:
+            del w[name]  # o's and down's bias: added once, by rank 0
+    head = w.pop("lm_head.weight", None)
+    w["lm_head.weight"] = _vocab_slice(
+        w["model.embed_tokens.weight"] if head is None else head, rank, size
+    )
+    return w
+
+
+def _vocab_slice(weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rows rank * n .. (rank + 1) * n of the vocabulary, n = ceil(vocab / size); the last
+    slice is padded with zero rows so that every rank gathers the same shape."""
+    n = -(-weight.shape[0] // size)
+    rows = weight[rank * n : (rank + 1) * n]
+    if len(rows) == n:
+        return rows.clone()
+    return torch.cat((rows, rows.new_zeros(n - len(rows), weight.shape[1])))

@@ -1,0 +1,205 @@
+"""Tensor parallelism: two ranks compute what one computes, on one host and on two (network
+namespaces), and a rank that dies fails the server cleanly.
+
+One group of two ranks (this process and one worker, gloo, one thread each) serves every
+in-process check: the worker loads whichever model rank 0 loads next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from server_fixture import SSEReader
+from test_model import (
+    Seq,
+    check_chunked_prefill_equals_one_call,
+    check_ragged_batch_equals_each_sequence_alone,
+    prompt,
+    run_chunks,
+)
+from test_server_cli import ServerProcess
+
+from gapless import LLM, SamplingParams
+from gapless.engine import distributed
+from gapless.engine.runner import ModelRunner
+from gapless.model.loader import load_decoder
+from gapless.model.parallel import TensorParallel
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tp2() -> Iterator[TensorParallel]:
+    threads = torch.get_num_threads()
+    yield distributed.start(2, distributed.Launch(threads=1, collective_timeout_s=60))
+    distributed.stop()
+    torch.set_num_threads(threads)
+
+
+def sharded_runner(parallel: TensorParallel, path: Path, num_blocks: int) -> ModelRunner:
+    """Rank 0's runner of `path`, the worker holding the other half."""
+    parallel.broadcast(distributed.LoadModel(str(path), "float32"))
+    decoder = load_decoder(path, "float32", parallel.device, parallel)
+    parallel.broadcast(distributed.AllocateKV(num_blocks, 16))
+    return ModelRunner(decoder, num_blocks, 16)
+
+
+# kv1: one KV head for two ranks, so each rank keeps a replica of it.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen3-kv1"])
+def test_two_ranks_give_one_ranks_logits_and_tokens(checkpoint, tp2, arch):
+    name, _, kv1 = arch.partition("-")
+    path = checkpoint(name, num_key_value_heads=1) if kv1 else checkpoint(name)
+    ids = prompt(80)  # longer than mistral's 24-token window
+    one = run_chunks(ModelRunner(load_decoder(path, "float32"), 16, 16), Seq(ids, 0), [80])
+    two = run_chunks(sharded_runner(tp2, path, 16), Seq(ids, 0), [80])
+    assert (one - two).abs().max().item() < 1e-4
+
+    expected = LLM(path, dtype="float32", prefill_chunk=8).generate([ids[:30]], GREEDY)
+    llm = LLM(path, dtype="float32", prefill_chunk=8, tensor_parallel_size=2)
+    assert llm.generate([ids[:30]], GREEDY)[0].token_ids == expected[0].token_ids
+
+
+def test_two_ranks_prefill_in_chunks_as_in_one_call(checkpoint, tp2):
+    check_chunked_prefill_equals_one_call(sharded_runner(tp2, checkpoint("mistral"), 32))
+
+
+def test_two_ranks_run_a_ragged_batch_as_each_sequence_alone(checkpoint, tp2):
+    check_ragged_batch_equals_each_sequence_alone(sharded_runner(tp2, checkpoint("qwen3"), 64))
+
+
+# -- `gapless serve` with ranks in processes -------------------------------------------------
+
+
+def _serve(path: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    flags = ["--dtype", "float32", "--device", "cpu", "--threads", "1"]
+    return ServerProcess([str(path), *flags, *args], env or dict(os.environ))
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
+def test_a_failed_rank_ends_streams_with_an_error_then_503_then_exit(checkpoint, fault):
+    path = checkpoint("llama")
+    expected = LLM(path, dtype="float32").generate([prompt(12)], GREEDY)[0].text
+    timeout = 5
+    server = _serve(path, "--tensor-parallel-size", "2", "--collective-timeout", str(timeout))
+    workers: list[int] = []
+    try:
+        port = server.wait_for_line(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")[1]
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+        body = {"prompt": prompt(12), "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected
+        long = {**body, "max_tokens": 2000, "stream": True}
+        workers = _children(server.proc.pid)
+        [worker] = workers
+        with client.stream("POST", "/v1/completions", json=long) as response:
+            reader = SSEReader(response)
+            reader.read_until("data")
+            os.kill(worker, fault)
+            failed = time.monotonic()
+            sse = reader.read_all()
+        assert "rank 1 stopped responding" in sse.data[-1]["error"]["message"]
+        refused = client.post("/v1/completions", json=body)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "engine_failed"
+        # The timeout, then 2 s to name the rank and 2 s of 503s, then the exit.
+        assert server.proc.wait(timeout=timeout + 10) == 1
+        assert time.monotonic() - failed < timeout + 8
+        assert "rank 1 stopped responding" in server.rest_of_log()
+    finally:
+        for pid in (server.proc.pid, *workers):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+# -- two hosts: one rank in each of two network namespaces -----------------------------------
+
+NAMESPACES = ("gapless-tp-a", "gapless-tp-b")
+ADDRESSES = ("10.231.7.1", "10.231.7.2")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def two_hosts() -> Iterator[None]:
+    """Two network namespaces joined by a veth pair; skips the test if they can't be made."""
+    if shutil.which("ip") is None:
+        pytest.skip("no `ip` command to make network namespaces with")
+    a, b = NAMESPACES
+    try:
+        _ip("netns", "add", a)
+        _ip("netns", "add", b)
+        _ip("link", "add", f"{a[-1]}veth", "type", "veth", "peer", "name", f"{b[-1]}veth")
+        for ns, addr in zip(NAMESPACES, ADDRESSES, strict=True):
+            dev = f"{ns[-1]}veth"
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as e:
+        for ns in NAMESPACES:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"cannot make network namespaces: {e.stderr.strip()}")
+    try:
+        yield
+    finally:
+        for ns in NAMESPACES:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_two_hosts_serve_one_ranks_tokens_and_stop_together(checkpoint):
+    path = checkpoint("qwen2")
+    ids = prompt(12)
+    expected = LLM(path, dtype="float32").generate([ids], GREEDY)[0].text
+    port = 8131
+    with two_hosts():
+        ranks = []
+        for node, ns in enumerate(NAMESPACES):
+            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "gapless.cli", "serve"]
+            cmd += [str(path), "--dtype", "float32", "--device", "cpu", "--threads", "1"]
+            cmd += ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(node)]
+            cmd += ["--master-addr", ADDRESSES[0], "--master-port", "29531"]
+            cmd += ["--port", str(port), "--log-level", "warning"]
+            # gloo picks its interface by the host's name, which means nothing in here.
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": f"{ns[-1]}veth"}
+            ranks.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
+        try:
+            ask = (
+                "import httpx, json, sys, time\n"
+                "for _ in range(600):\n"
+                "    try:\n"
+                f"        r = httpx.post('http://127.0.0.1:{port}/v1/completions', json=json.loads(sys.argv[1]), timeout=60)\n"
+                "        break\n"
+                "    except httpx.ConnectError:\n"
+                "        time.sleep(0.2)\n"
+                "print(r.json()['choices'][0]['text'], end='')\n"
+            )
+            body = {"prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+            client = ["ip", "netns", "exec", NAMESPACES[0], sys.executable, "-c", ask]
+            answer = subprocess.run(
+                [*client, json.dumps(body)], capture_output=True, text=True, timeout=120
+            )
+            assert answer.stdout == expected, answer.stderr
+            ranks[0].send_signal(signal.SIGTERM)
+            assert [rank.wait(timeout=30) for rank in ranks] == [0, 0]
+        finally:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+                    rank.wait()
