@@ -19,7 +19,13 @@ from gapless.bench.client import RequestRecord, run_requests, served_max_model_l
 from gapless.bench.compare import ServerError, ServerProcess, parse_configs
 from gapless.bench.engine_only import engine_for, run_engine
 from gapless.bench.metrics import compute_metrics, parse_slo
-from gapless.bench.report import format_table, plot_capacity, plot_itl_cdf, plot_timeline
+from gapless.bench.report import (
+    format_table,
+    plot_capacity,
+    plot_itl_cdf,
+    plot_timeline,
+    plot_tradeoff,
+)
 from gapless.bench.roofline import add_roofline_parser
 from gapless.bench.workloads import (
     CHAT_OUTPUT_LOGNORMAL,
@@ -348,8 +354,12 @@ def bench_main(args: argparse.Namespace) -> int:
     (out / "table.md").write_text(table)
     plot_timeline(records_by_config, out / "timeline.png")
     plot_itl_cdf(records_by_config, out / "itl_cdf.png")
+    plots = "timeline.png, itl_cdf.png"
+    if args.workload == "stall":
+        plot_tradeoff({n: r["metrics"] for n, r in runs.items()}, out / "tradeoff.png")
+        plots += ", tradeoff.png"
     print(table)
-    print(f"wrote {out}/results.json, table.md, timeline.png, itl_cdf.png", file=sys.stderr)
+    print(f"wrote {out}/results.json, table.md, {plots}", file=sys.stderr)
     failed = sum(r["metrics"]["failed"] for r in runs.values())
     return 1 if failed else 0
 
