@@ -250,7 +250,11 @@ def test_compare_on_tiny_checkpoint(tmp_path):
     assert results["configs"]["chunk16"]["server_flags"] == "--prefill-chunk 16"
     for name, run in results["configs"].items():
         metrics = run["metrics"]
-        missing = [k for k in STALL_METRICS if metrics.get(k) is None]
+        # The streams' ITL during the long prefill exists only if a stream was still decoding
+        # then, which a loaded machine does not guarantee (test_bench_metrics checks the sum).
+        missing = [
+            k for k in STALL_METRICS if k != "long_prefill_itl_ms_p99" and metrics.get(k) is None
+        ]
         assert not missing, (name, missing)
         assert metrics["completed"] == 3 and metrics["failed"] == 0
         assert metrics["total_output_tokens"] == 2 * STREAM_TOKENS + 16

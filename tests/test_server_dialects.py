@@ -4,7 +4,10 @@ its real client against a real server on a loopback port."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import socket
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -282,6 +285,42 @@ def test_anthropic_tools_reach_the_template(
     )
     usage = message.usage
     assert usage.input_tokens + usage.cache_read_input_tokens == len(expected)
+    counted = claude.messages.count_tokens(model=MODEL, tools=[tool], messages=messages)
+    assert counted.input_tokens == len(expected)
+
+
+def test_anthropic_forced_tool_use(claude: anthropic.Anthropic) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 60,
+        "tools": [{"name": "get_weather", "input_schema": schema}],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+    }
+    # Generated under the schema's grammar: always a valid call, whatever the weights.
+    message = claude.messages.create(**kwargs)
+    assert message.stop_reason == "tool_use"
+    [call] = [b for b in message.content if b.type == "tool_use"]
+    assert call.name == "get_weather" and call.id.startswith("toolu_")
+    valid = ({"city": "Paris"}, {"city": "Rome"})
+    assert call.input in valid
+
+    events = list(claude.messages.create(stream=True, **kwargs))
+    starts = [e.content_block for e in events if e.type == "content_block_start"]
+    assert [b.type for b in starts] == ["text", "tool_use"]
+    assert starts[1].name == "get_weather"
+    [json_delta] = [e.delta for e in events if e.type == "content_block_delta" and e.index == 1]
+    assert json.loads(json_delta.partial_json) in valid
+    assert events[-2].delta.stop_reason == "tool_use"
+    with claude.messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    assert [b.input for b in final.content if b.type == "tool_use"][0] in valid
 
 
 @pytest.mark.parametrize(
@@ -297,6 +336,14 @@ def test_anthropic_tools_reach_the_template(
         (
             {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
             "image",
+        ),
+        (
+            {
+                "max_tokens": 5,
+                "system": [{"type": "image"}],
+                "messages": [{"role": "user", "content": "x"}],
+            },
+            "system: ",
         ),
         (
             {"max_tokens": 5, "temperature": "hot", "messages": [{"role": "user", "content": "x"}]},
@@ -428,7 +475,13 @@ def test_ollama_tags_show_version(
         ("/api/chat", b"{", 400, "JSON"),
         ("/api/chat", {"model": MODEL}, 400, "messages"),
         ("/api/chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "wizard"),
-        ("/api/chat", {"messages": [{"role": "user", "content": ["x"]}]}, 400, "content"),
+        # Ollama's errors have no `param`: the message leads with the field.
+        (
+            "/api/chat",
+            {"messages": [{"role": "user", "content": ["x"]}]},
+            400,
+            "messages[0].content: ",
+        ),
         (
             "/api/chat",
             {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
@@ -470,27 +523,53 @@ def test_ollama_bad_requests(
 # -- cancellation ---------------------------------------------------------------------------
 
 
+def _cancelled(server: RunningServer) -> int:
+    text = httpx.get(f"{server.url}/metrics").text
+    found = re.search(
+        r'^gapless_requests_finished_total\{finish_reason="cancelled"\} (\S+)$', text, re.M
+    )
+    return int(float(found.group(1))) if found else 0
+
+
 @pytest.mark.parametrize(
     "path,body",
     [
-        ("/v1/messages", {"max_tokens": 1500, "stream": True}),
-        ("/api/chat", {"options": {"num_predict": 1500}}),
+        ("/v1/messages", {"max_tokens": 100, "stream": True}),
+        ("/api/chat", {"options": {"num_predict": 100}}),
     ],
     ids=["anthropic", "ollama"],
 )
 def test_disconnect_cancels_and_frees_kv(
-    server: RunningServer, path: str, body: dict[str, Any]
+    server: RunningServer, path: str, body: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    before = server.metrics()
-    messages = [{"role": "user", "content": "Count to a thousand."}]
-    with server.client() as c, c.stream("POST", path, json={**body, "messages": messages}) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        for _ in range(6):  # a few tokens in: the request is decoding
-            next(line for line in lines if line and not line.startswith(":"))
-        assert server.metrics()["gapless_requests_running"] == 1
+    before, cancelled = server.metrics(), _cancelled(server)
+    # One forward pass, then the engine waits: the client surely hangs up mid-prefill.
+    gate = threading.Semaphore(1)
+    forward = server.engine.runner.execute
+
+    def gated_forward(*args: Any, **kwargs: Any) -> Any:
+        gate.acquire()
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(server.engine.runner, "execute", gated_forward)
+    content = "the quick brown fox jumps over the lazy dog " * 30  # many prefill chunks
+    payload = json.dumps({**body, "messages": [{"role": "user", "content": content}]})
+    host, port = server.url.removeprefix("http://").split(":")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\n\r\n"
+    )
+    try:
+        # A raw socket: an Ollama stream sends no headers before its first token.
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(head.encode() + payload.encode())
+            server.wait_for_metric("gapless_requests_prefilling", 1)
+    finally:
+        monkeypatch.undo()
+        gate.release()  # the engine may be waiting in gated_forward
     server.wait_for_metric("gapless_requests_running", 0)
     server.wait_for_metric("gapless_kv_blocks_used", before["gapless_kv_blocks_used"])
+    assert _cancelled(server) == cancelled + 1
     # The next request still runs.
     after = {"prompt": "x", "stream": False, "options": {"num_predict": 2}}
     assert json.loads(server.client().post("/api/generate", json=after).text)["eval_count"] == 2

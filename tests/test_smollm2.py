@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import re
 
+import jsonschema
 import pytest
 import torch
 from test_model import ModelRunner, Seq, run_chunks
 
 from gapless import LLM, SamplingParams
+from gapless.engine.structured import json_schema_grammar
 from gapless.model.default_model import installed_default_model
 
 SMOLLM2 = installed_default_model()
@@ -47,3 +50,19 @@ def test_greedy_chat_answer_is_english(llm):
     assert "Paris" in out.text
     words = re.findall(r"[A-Za-z]+", out.text)
     assert len(words) >= 3 and all(w.isascii() for w in out.text.split())
+
+
+def test_json_schema_answer_is_valid_json_in_english(llm):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    params = SamplingParams(max_tokens=16, temperature=0, grammar=json_schema_grammar(schema))
+    [out] = llm.generate([llm.tokenizer.encode_chat(messages)], params)
+    answer = json.loads(out.text)
+    jsonschema.validate(answer, schema)
+    assert out.finish_reason == "stop"
+    assert re.fullmatch(r"[A-Z][a-z]+( [A-Za-z]+)*", answer["city"]), answer

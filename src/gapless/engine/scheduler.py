@@ -13,6 +13,8 @@ Each step is one hybrid batch:
    `shortest` remaining prefill first, aged by steps waited so that no prompt starves. Several prompts may
    share the budget. Waiting requests are admitted while `max_num_seqs` and free KV allow.
 A request marked whole_prefill (submit(), or chunking off) takes its whole prompt at once.
+
+A request for n choices prefills its prompt once; the other n - 1 then fork from it (fork()).
 """
 
 from __future__ import annotations
@@ -169,13 +171,50 @@ class Scheduler:
             self.prefix_hit_tokens += request.num_computed
             self.prefix_queried_tokens += request.num_tokens
         self.waiting.remove(request)
+        self._start(request)
+        return True
+
+    def _start(self, request: Request) -> None:
         self.running.append(request)
         request.state = RequestState.PREFILLING
         request.admitted_seq = self._admissions
         self._admissions += 1
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
-        return True
+
+    def fork(
+        self, parent: Request, children: list[Request]
+    ) -> tuple[list[Request], list[tuple[int, int]]]:
+        """Starts the children on the parent's computed prompt: its full KV blocks shared by
+        reference, its partly filled last block copied (their next tokens differ). A child
+        that does not fit now (sequence cap, no free block) waits as an ordinary request.
+
+        Returns the forked children, which sample from the parent's last logits, and the
+        (source, destination) blocks whose K/V the runner must copy."""
+        bs = self.pool.block_size
+        full, partial = divmod(parent.num_computed, bs)
+        shared = [b for b in parent.block_table[:full] if b >= 0]
+        forked: list[Request] = []
+        copies: list[tuple[int, int]] = []
+        for child in children:
+            if len(self.running) >= self.config.max_num_seqs or (
+                partial and not self.pool.num_available
+            ):
+                self.add(child)
+                continue
+            self.pool.share(shared)
+            child.block_table = parent.block_table[:full]
+            if partial:
+                [own] = self.pool.allocate(1)
+                copies.append((parent.block_table[full], own))
+                child.block_table.append(own)
+            child.num_computed = parent.num_computed
+            child.block_hashes = parent.block_hashes[:full]
+            child.num_registered = min(parent.num_registered, full)
+            child.cached_prompt_tokens = parent.cached_prompt_tokens
+            self._start(child)
+            forked.append(child)
+        return forked, copies
 
     def _reserve(self, request: Request, n: int) -> bool:
         """Makes room in the request's block table for its next n tokens."""

@@ -1,4 +1,4 @@
-"""The Anthropic Messages dialect: POST /v1/messages.
+"""The Anthropic Messages dialect: POST /v1/messages and /v1/messages/count_tokens.
 
 A request (system, messages of text / tool_use / tool_result blocks, tools) becomes the
 chat-template conversation transformers' apply_chat_template takes; engine events become a
@@ -8,17 +8,19 @@ message object, or its named SSE events in Anthropic's order; errors are
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
+from gapless.engine.structured import GrammarCompiler
 from gapless.model.tokenizer import Tokenizer
-from gapless.server import protocol
+from gapless.server import protocol, tool_calls
 from gapless.server.endpoint import (
     Renderer,
     ServerState,
@@ -29,6 +31,8 @@ from gapless.server.endpoint import (
     sse,
 )
 from gapless.server.protocol import APIError, bool_field, int_field, invalid
+from gapless.server.structured_output import checked_schema_grammar
+from gapless.server.tool_calls import ToolCall, ToolCallStream, ToolRequest
 
 # Anthropic's error types where ours differ in name.
 _ERROR_TYPES = {"server_error": "api_error"}
@@ -38,7 +42,7 @@ def error_body(error: APIError) -> dict[str, Any]:
     kind = "request_too_large" if error.status == 413 else error.type
     return {
         "type": "error",
-        "error": {"type": _ERROR_TYPES.get(kind, kind), "message": error.message},
+        "error": {"type": _ERROR_TYPES.get(kind, kind), "message": error.message_naming_param()},
     }
 
 
@@ -50,6 +54,8 @@ class ParsedMessages:
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
+    tools: ToolRequest | None = None
+    tool_parser: str | None = None  # how calls are read out of the output, if not forced
 
 
 def _tool_call(block: dict[str, Any], param: str) -> dict[str, Any]:
@@ -119,14 +125,32 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return out
 
 
-def parse_messages(
-    body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int
-) -> ParsedMessages:
-    requested = int_field(body, "max_tokens")
-    if requested is None:
-        raise invalid("max_tokens is required", "max_tokens")
-    if requested < 1:
-        raise invalid(f"max_tokens must be at least 1, got {requested}", "max_tokens")
+# Anthropic's tool_choice types -> OpenAI's tool_choice (`tool` names one function).
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def tool_request(body: dict[str, Any]) -> ToolRequest | None:
+    """`tools` and `tool_choice`, checked as the OpenAI endpoint checks its own."""
+    tools = _tools(body)
+    if tools is None:
+        return None
+    choice = protocol.dict_field(body, "tool_choice") or {"type": "auto"}
+    kind = choice.get("type")
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        mapped: Any = {"type": "function", "function": {"name": choice["name"]}}
+    elif kind in _TOOL_CHOICES:
+        mapped = _TOOL_CHOICES[kind]
+    else:
+        raise invalid("tool_choice must be auto, any, none, or a tool with its name", "tool_choice")
+    parallel = not bool_field(choice, "disable_parallel_tool_use")
+    openai_shaped = {"tools": tools, "tool_choice": mapped, "parallel_tool_calls": parallel}
+    return tool_calls.parse_tools(openai_shaped)
+
+
+def prompt_ids_of(
+    body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int, tools: ToolRequest | None
+) -> list[int]:
+    """The prompt of `system`, `messages` and the tools offered, through the chat template."""
     messages = protocol.chat_messages(body, ("user", "assistant"))
     conversation = []
     system = protocol.text_content(body.get("system"), "system")
@@ -134,9 +158,24 @@ def parse_messages(
         conversation.append({"role": "system", "content": system})
     for i, message in enumerate(messages):
         conversation += _turn(message, i)
-    prompt_ids = protocol.encode_chat(
-        tokenizer, conversation, max_model_len, "messages", {"tools": _tools(body)}
-    )
+    offered = {"tools": tools.tools if tools is not None and tools.tools else None}
+    return protocol.encode_chat(tokenizer, conversation, max_model_len, "messages", offered)
+
+
+def parse_messages(
+    body: dict[str, Any],
+    tokenizer: Tokenizer,
+    max_model_len: int,
+    grammars: GrammarCompiler,
+    configured_parser: str | None,
+) -> ParsedMessages:
+    requested = int_field(body, "max_tokens")
+    if requested is None:
+        raise invalid("max_tokens is required", "max_tokens")
+    if requested < 1:
+        raise invalid(f"max_tokens must be at least 1, got {requested}", "max_tokens")
+    tools = tool_request(body)
+    prompt_ids = prompt_ids_of(body, tokenizer, max_model_len, tools)
     fields = protocol.number_fields(
         body,
         floats={"temperature": "temperature", "top_p": "top_p"},
@@ -148,14 +187,25 @@ def parse_messages(
         ),
         stop=protocol.stop_field(body, "stop_sequences"),
     )
+    parser = None
+    if tools is not None and tools.forced:
+        # The call is generated under its schema's grammar, so it is always valid.
+        schema = tool_calls.forced_calls_schema(tools)
+        fields["grammar"] = checked_schema_grammar(schema, grammars, "tools")
+    elif tools is not None and tools.tools:
+        parser = tool_calls.choose_parser(tokenizer.chat_template, configured_parser)
+        # Tool-call markers such as [TOOL_CALLS] are often special tokens: keep their text.
+        fields["skip_special_tokens"] = False
     params = protocol.sampling_params(fields, {"stop": "stop_sequences"})
-    return ParsedMessages(prompt_ids, params, bool(bool_field(body, "stream")))
+    return ParsedMessages(prompt_ids, params, bool(bool_field(body, "stream")), tools, parser)
 
 
 # -- rendering engine events ---------------------------------------------------------------
 
 
-def _stop_reason(finished: FinishedEvent) -> str:
+def _stop_reason(finished: FinishedEvent, calls: list[ToolCall]) -> str:
+    if calls and finished.finish_reason == "stop":
+        return "tool_use"
     if finished.finish_reason == "length":
         return "max_tokens"
     if finished.stop_string is not None:
@@ -180,6 +230,18 @@ class _MessageRenderer(Renderer):
         self.id = f"msg_{request_id}"
         self.model = state.settings.served_model_name
         self.input_tokens = len(parsed.prompt_ids)
+        tools = parsed.tools
+        self.tool_stream = None
+        if tools is not None and (tools.forced or parsed.tool_parser):
+            self.tool_stream = ToolCallStream(parsed.tool_parser, tools.forced, tools.parallel)
+
+    def text_of(self, event: TokenEvent) -> str:
+        """The event's text that is content: a tool call's text is held back."""
+        return self.tool_stream.feed(event.text) if self.tool_stream else event.text
+
+    def rest(self) -> tuple[str, list[ToolCall]]:
+        """At the end: held text that was not a call after all, and the calls."""
+        return self.tool_stream.finish() if self.tool_stream else ("", [])
 
     def error_body(self, error: APIError) -> dict[str, Any]:
         return error_body(error)
@@ -211,16 +273,30 @@ class _MessageRenderer(Renderer):
     def progress(self, event: ProgressEvent) -> list[bytes]:
         return [progress_comment(event)]
 
-    def token(self, event: TokenEvent) -> list[bytes]:
-        if not event.text:  # text held back (half a character, a possible stop sequence)
+    def text_delta(self, text: str) -> list[bytes]:
+        if not text:  # text held back (half a character, a possible stop sequence, a call)
             return []
-        delta = {"type": "text_delta", "text": event.text}
+        delta = {"type": "text_delta", "text": text}
         return [self.event({"type": "content_block_delta", "index": 0, "delta": delta})]
 
+    def token(self, event: TokenEvent) -> list[bytes]:
+        return self.text_delta(self.text_of(event))
+
     def finished(self, event: FinishedEvent) -> list[bytes]:
-        delta = {"stop_reason": _stop_reason(event), "stop_sequence": event.stop_string}
+        rest, calls = self.rest()
+        pieces = [*self.text_delta(rest), self.event({"type": "content_block_stop", "index": 0})]
+        # Each call is one tool_use block after the text, its input sent whole.
+        for index, call in enumerate(calls, 1):
+            block = {**_tool_use(call), "input": {}}
+            json_delta = {"type": "input_json_delta", "partial_json": call.arguments}
+            pieces += [
+                self.event({"type": "content_block_start", "index": index, "content_block": block}),
+                self.event({"type": "content_block_delta", "index": index, "delta": json_delta}),
+                self.event({"type": "content_block_stop", "index": index}),
+            ]
+        delta = {"stop_reason": _stop_reason(event, calls), "stop_sequence": event.stop_string}
         return [
-            self.event({"type": "content_block_stop", "index": 0}),
+            *pieces,
             self.event({"type": "message_delta", "delta": delta, "usage": _usage(event)}),
             self.event({"type": "message_stop"}),
         ]
@@ -228,10 +304,27 @@ class _MessageRenderer(Renderer):
     def failed(self, error: APIError) -> list[bytes]:
         return [sse(error_body(error), event="error")]
 
+    def absorb(self, event: TokenEvent) -> None:
+        self.text.append(self.text_of(event))
+
     def response(self, finished: FinishedEvent) -> dict[str, Any]:
-        out = self.message([{"type": "text", "text": "".join(self.text)}], _usage(finished))
-        out.update(stop_reason=_stop_reason(finished), stop_sequence=finished.stop_string)
+        rest, calls = self.rest()
+        text = "".join(self.text) + rest
+        content = [{"type": "text", "text": text}] if text or not calls else []
+        content += [_tool_use(call) for call in calls]
+        out = self.message(content, _usage(finished))
+        out.update(stop_reason=_stop_reason(finished, calls), stop_sequence=finished.stop_string)
         return out
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    tool_id = f"toolu_{call.id.removeprefix('call_')}"
+    return {
+        "type": "tool_use",
+        "id": tool_id,
+        "name": call.name,
+        "input": json.loads(call.arguments),
+    }
 
 
 # -- endpoint -------------------------------------------------------------------------------
@@ -241,8 +334,14 @@ async def messages(state: ServerState, request: Request) -> Response:
     body = await read_json(state, request)
     protocol.check_model(body.get("model"), state.settings.served_model_name)
     # Chat templating and tokenizing a long prompt take a while: keep the event loop free.
+    engine = state.engine
     parsed = await anyio.to_thread.run_sync(
-        parse_messages, body, state.engine.tokenizer, state.engine.max_model_len
+        parse_messages,
+        body,
+        engine.tokenizer,
+        engine.max_model_len,
+        engine.grammars,
+        state.settings.tool_call_parser,
     )
     request_id = new_request_id()
     renderer = _MessageRenderer(state, parsed, request_id)
@@ -251,4 +350,16 @@ async def messages(state: ServerState, request: Request) -> Response:
     )
 
 
-ROUTES = [("POST", "/v1/messages", messages)]
+async def count_tokens(state: ServerState, request: Request) -> Response:
+    body = await read_json(state, request)
+    protocol.check_model(body.get("model"), state.settings.served_model_name)
+    prompt_ids = await anyio.to_thread.run_sync(
+        prompt_ids_of, body, state.engine.tokenizer, state.engine.max_model_len, tool_request(body)
+    )
+    return JSONResponse({"input_tokens": len(prompt_ids)})
+
+
+ROUTES = [
+    ("POST", "/v1/messages", messages),
+    ("POST", "/v1/messages/count_tokens", count_tokens),
+]

@@ -22,6 +22,8 @@ log = logging.getLogger("gapless.server")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # As gapless.model.loader.DTYPES; not imported so that `gapless --help` needs no torch.
 DTYPES = ("float32", "bfloat16", "float16")
+# As gapless.server.tool_calls.PARSERS, for the same reason.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -98,7 +100,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument(
         "--api-key",
-        help="require `Authorization: Bearer KEY` on /v1 (default: $GAPLESS_API_KEY if set)",
+        help="require `Authorization: Bearer KEY` or `x-api-key: KEY` on every API endpoint "
+        "(default: $GAPLESS_API_KEY if set)",
     )
     p.add_argument(
         "--max-queue", type=int, help="waiting requests beyond this get 503 (default: no limit)"
@@ -114,6 +117,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         type=float,
         default=16.0,
         help="request body size limit in MiB (%(default)s)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="how the model writes tool calls (default: recognised from its chat template)",
     )
     p.add_argument(
         "--shutdown-grace",
@@ -180,6 +188,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("GAPLESS_API_KEY") or None,
         max_body_bytes=int(args.max_body_mb * 2**20),
         shutdown_grace_s=args.shutdown_grace,
+        tool_call_parser=args.tool_call_parser,
     )
     log.info(
         "serving %r from %s: context %d tokens, %d KV blocks of %d tokens",

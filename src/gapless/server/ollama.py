@@ -44,7 +44,7 @@ _INT_OPTIONS = {"top_k": "top_k", "seed": "seed"}
 
 
 def error_body(error: APIError) -> dict[str, Any]:
-    return {"error": error.message}
+    return {"error": error.message_naming_param()}
 
 
 # -- requests ------------------------------------------------------------------------------

@@ -41,6 +41,13 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def message_naming_param(self) -> str:
+        """The message, led by the field it is about unless it names it already: for the
+        error shapes that have no `param`."""
+        if self.param is None or self.param in self.message:
+            return self.message
+        return f"{self.param}: {self.message}"
+
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
