@@ -5,8 +5,10 @@ Each step is one hybrid batch:
    never waits for someone else's prompt. If the KV pool cannot hold the next tokens, the
    most recently admitted request is preempted (blocks freed, requeued, recomputed later).
 2. What is left of the token budget goes to prompt chunks. The budget is `prefill_chunk`
-   while anyone decodes (or what the latency target allows, see cost_model.py), and
-   `idle_prefill_chunk` when nobody does, so an idle server prefills at full speed.
+   while anyone decodes, and `idle_prefill_chunk` when nobody does, so an idle server
+   prefills at full speed. Under a latency target it is what the cost model predicts fits
+   in the target beside the decodes (cost_model.py), but never under `min_prefill_chunk`:
+   when decodes alone use the target, prompts still move at a guaranteed rate.
 3. Chunks go to prefilling and waiting requests in policy order: `fcfs` by arrival, or
    `shortest` remaining prefill first, aged by steps waited so that no prompt starves. Several prompts may
    share the budget. Waiting requests are admitted while `max_num_seqs` and free KV allow.
@@ -42,6 +44,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     prefill_chunk: int = 512
     idle_prefill_chunk: int = 4096
+    # Under a latency target, prompt tokens every step takes whatever the decodes cost: an
+    # N-token prompt at the front is done within N / min_prefill_chunk steps.
+    min_prefill_chunk: int = 64
     prefill_policy: str = "shortest"
     enable_prefix_cache: bool = True
     # The widest attention window over all layers (None: full attention).
@@ -89,7 +94,10 @@ class Scheduler:
             budget = self.config.idle_prefill_chunk
         elif self.prefill_budget is not None and candidates:
             contexts = [c.request.num_computed + 1 for c in chunks]
-            budget = self.prefill_budget(contexts, candidates[0].num_computed)
+            budget = max(
+                self.prefill_budget(contexts, candidates[0].num_computed),
+                self.config.min_prefill_chunk,
+            )
         else:
             budget = self.config.prefill_chunk
         for request in candidates:

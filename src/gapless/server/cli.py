@@ -12,6 +12,10 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gapless.engine.engine import EngineConfig
 
 log = logging.getLogger("gapless.server")
 
@@ -178,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from gapless.engine import distributed
-    from gapless.engine.engine import Engine, EngineConfig
+    from gapless.engine.engine import Engine
     from gapless.model.gguf import is_gguf, model_name
     from gapless.server.app import GaplessServer, ServerSettings
 
@@ -196,23 +200,7 @@ def _serve(args: argparse.Namespace) -> int:
         name = args.served_model_name or model_name(model_dir)
 
     try:
-        config = EngineConfig(
-            dtype=args.dtype,
-            device=args.device,
-            kv_cache_tokens=args.kv_cache_tokens,
-            kv_memory_gib=args.kv_memory,
-            max_num_seqs=args.max_num_seqs,
-            prefill_chunk=args.prefill_chunk,
-            idle_prefill_chunk=args.idle_prefill_chunk,
-            chunked_prefill=args.chunked_prefill,
-            enable_prefix_cache=args.enable_prefix_cache,
-            prefill_policy=args.prefill_policy,
-            max_model_len=args.max_model_len,
-            target_itl_ms=args.target_itl_ms,
-            max_queue=args.max_queue,
-            num_threads=args.threads,
-            tensor_parallel_size=args.tensor_parallel_size,
-        )
+        config = engine_config(args)
         launch = distributed.Launch(
             nnodes=args.nnodes,
             node_rank=args.node_rank,
@@ -251,6 +239,30 @@ def _serve(args: argparse.Namespace) -> int:
     )
     server = GaplessServer(engine, settings, args.host, args.port, args.log_level)
     return server.run()
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's configuration from `gapless serve` flags (also used by
+    `gapless bench --engine-only`). Raises ValueError for a bad combination."""
+    from gapless.engine.engine import EngineConfig
+
+    return EngineConfig(
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_memory_gib=args.kv_memory,
+        max_num_seqs=args.max_num_seqs,
+        prefill_chunk=args.prefill_chunk,
+        idle_prefill_chunk=args.idle_prefill_chunk,
+        chunked_prefill=args.chunked_prefill,
+        enable_prefix_cache=args.enable_prefix_cache,
+        prefill_policy=args.prefill_policy,
+        max_model_len=args.max_model_len,
+        target_itl_ms=args.target_itl_ms,
+        max_queue=args.max_queue,
+        num_threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
 
 
 def _default_model(served_name: str | None) -> tuple[Path, str]:
