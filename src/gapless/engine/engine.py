@@ -26,6 +26,7 @@ from gapless.kv.block_pool import BlockPool
 from gapless.model.decoder import Decoder
 from gapless.model.gguf import is_gguf, load_gguf
 from gapless.model.loader import load_decoder
+from gapless.model.quantize import quantizer
 from gapless.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("gapless.engine")
@@ -50,6 +51,8 @@ class QueueFull(RuntimeError):
 class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"  # cuda when available, else cpu
+    quantize: str | None = None  # int8 or int4: weight-only, round-to-nearest at load
+    quantize_group_size: int = 32  # int4: columns per scale and offset (32, 64 or 128)
     block_size: int = 16
     kv_cache_tokens: int | None = None  # KV capacity in tokens; overrides kv_memory_gib
     kv_memory_gib: float = 2.0
@@ -76,6 +79,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.kv_memory_gib <= 0:
             raise ValueError(f"kv_memory_gib must be positive, got {self.kv_memory_gib!r}")
+        quantizer(self.quantize, self.quantize_group_size)  # raises ValueError if unknown
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue!r}")
         if self.prefill_policy not in ("fcfs", "shortest"):
@@ -154,9 +158,10 @@ class Engine:
         device = config.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        quantize = (config.quantize, config.quantize_group_size)
         if is_gguf(path):
-            return cls(*load_gguf(path, config.dtype, device), config)
-        decoder = load_decoder(path, config.dtype, device)
+            return cls(*load_gguf(path, config.dtype, device, *quantize), config)
+        decoder = load_decoder(path, config.dtype, device, *quantize)
         return cls(decoder, Tokenizer.from_pretrained(path), config)
 
     # -- requests ---------------------------------------------------------------------------
