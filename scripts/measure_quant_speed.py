@@ -40,11 +40,13 @@ def run(runner: ModelRunner, request: Request, n: int) -> float:
 
 def main() -> None:
     torch.set_num_threads(2)
-    model_dir = sys.argv[1]
+    model_dir, only = sys.argv[1], sys.argv[2:]
     ids = [int(i) for i in torch.randint(100, 4000, (CHUNK + CONTEXT + DECODE_STEPS,))]
     print(f"threads 2; decode: batch 1 at context {CONTEXT}, median of {DECODE_STEPS} steps")
     print(f"{'dtype':9} {'weights':8} {'decode ms/step':>14} {'prefill 512 ms':>15}")
     for dtype, quantize in RUNS:
+        if only and (quantize or "float") not in only:
+            continue
         if is_gguf(model_dir):
             if quantize:
                 continue
