@@ -29,6 +29,7 @@ from gapless.kv.block_pool import BlockPool
 from gapless.model.checkpoint import load_model
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import RankFailed
+from gapless.model.quantize import quantizer
 from gapless.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("gapless.engine")
@@ -57,6 +58,8 @@ class EngineFailed(RuntimeError):
 class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"  # cuda when available, else cpu
+    quantize: str | None = None  # int8 or int4: weight-only, round-to-nearest at load
+    quantize_group_size: int = 32  # int4: columns per scale and offset (32, 64 or 128)
     block_size: int = 16
     kv_cache_tokens: int | None = None  # KV capacity in tokens; overrides kv_memory_gib
     kv_memory_gib: float = 2.0
@@ -85,6 +88,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.kv_memory_gib <= 0:
             raise ValueError(f"kv_memory_gib must be positive, got {self.kv_memory_gib!r}")
+        quantizer(self.quantize, self.quantize_group_size)  # raises ValueError if unknown
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue!r}")
         if self.prefill_policy not in ("fcfs", "shortest"):
@@ -167,14 +171,16 @@ class Engine:
         it forms the group (spawning this host's other ranks; `launch` says where they sit)
         and every rank loads its shard."""
         config = config or EngineConfig()
+        quantize = (config.quantize, config.quantize_group_size)
         if config.tensor_parallel_size == 1:
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
-            return cls(*load_model(path, config.dtype, rank_device(config.device, 0)), config)
+            device = rank_device(config.device, 0)
+            return cls(*load_model(path, config.dtype, device, None, *quantize), config)
         launch = launch or distributed.Launch(threads=config.num_threads, device=config.device)
         parallel = distributed.start(config.tensor_parallel_size, launch)
-        parallel.broadcast(distributed.LoadModel(str(path), config.dtype))
-        engine = cls(*load_model(path, config.dtype, parallel.device, parallel), config)
+        parallel.broadcast(distributed.LoadModel(str(path), config.dtype, *quantize))
+        engine = cls(*load_model(path, config.dtype, parallel.device, parallel, *quantize), config)
         runner = engine.runner
         parallel.broadcast(distributed.AllocateKV(runner.num_blocks, runner.block_size))
         return engine

@@ -20,10 +20,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("gapless.server")
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-# As gapless.model.loader.DTYPES; not imported so that `gapless --help` needs no torch.
+# As gapless.kernels.DTYPES and gapless.model.quantize's choices; not imported so that
+# `gapless --help` needs no torch.
 DTYPES = ("float32", "bfloat16", "float16")
 # As gapless.server.tool_calls.PARSERS, for the same reason.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+QUANTIZE_CHOICES = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -49,6 +52,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="auto: bfloat16 on CUDA and bf16-capable CPUs, else float32",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument(
+        "--quantize",
+        choices=QUANTIZE_CHOICES,
+        default=None,
+        help="quantize the linears' float weights at load, round-to-nearest: int8 (a scale "
+        "per row) or int4 (a scale and offset per group); embeddings and norms stay in "
+        "--dtype. A GGUF file's Q4_0/Q4_1 weights run as int4 without this flag",
+    )
+    p.add_argument(
+        "--quantize-group-size",
+        type=int,
+        choices=INT4_GROUP_SIZES,
+        default=32,
+        help="int4: columns per scale and offset (%(default)s)",
+    )
     p.add_argument(
         "--prefill-chunk",
         type=int,
@@ -262,6 +280,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_queue=args.max_queue,
         num_threads=args.threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantize=args.quantize,
+        quantize_group_size=args.quantize_group_size,
     )
 
 
