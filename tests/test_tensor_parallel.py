@@ -48,10 +48,12 @@ def tp2() -> Iterator[TensorParallel]:
     torch.set_num_threads(threads)
 
 
-def sharded_runner(parallel: TensorParallel, path: Path, num_blocks: int) -> ModelRunner:
+def sharded_runner(
+    parallel: TensorParallel, path: Path, num_blocks: int, quantize: str | None = None
+) -> ModelRunner:
     """Rank 0's runner of `path`, the worker holding the other half."""
-    parallel.broadcast(distributed.LoadModel(str(path), "float32"))
-    decoder = load_decoder(path, "float32", parallel.device, parallel)
+    parallel.broadcast(distributed.LoadModel(str(path), "float32", quantize))
+    decoder = load_decoder(path, "float32", parallel.device, parallel, quantize)
     parallel.broadcast(distributed.AllocateKV(num_blocks, 16))
     return ModelRunner(decoder, num_blocks, 16)
 
@@ -69,6 +71,16 @@ def test_two_ranks_give_one_ranks_logits_and_tokens(checkpoint, tp2, arch):
     expected = LLM(path, dtype="float32", prefill_chunk=8).generate([ids[:30]], GREEDY)
     llm = LLM(path, dtype="float32", prefill_chunk=8, tensor_parallel_size=2)
     assert llm.generate([ids[:30]], GREEDY)[0].token_ids == expected[0].token_ids
+
+
+def test_int4_weights_shard_along_their_groups(checkpoint, tp2):
+    # Each rank quantizes its own slice; o's and down's column halves start on a group
+    # boundary, so the codes and scales equal one rank's. 40 rows take the dequantized path.
+    path, ids = checkpoint("qwen2"), prompt(40)
+    one = load_decoder(path, "float32", quantize="int4")
+    expected = run_chunks(ModelRunner(one, 16, 16), Seq(ids, 0), [40])
+    got = run_chunks(sharded_runner(tp2, path, 16, "int4"), Seq(ids, 0), [40])
+    assert (expected - got).abs().max().item() < 1e-4
 
 
 def test_two_ranks_prefill_in_chunks_as_in_one_call(checkpoint, tp2):
