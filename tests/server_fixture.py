@@ -10,6 +10,7 @@ import json
 import re
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,6 +45,13 @@ class RunningServer:
             name: float(value)
             for name, value in re.findall(r"^(gapless_[a-z_]+) (\S+)$", text, re.MULTILINE)
         }
+
+    def wait_for_metric(self, name: str, want: float, timeout: float = 10) -> None:
+        """Polls /metrics (the server's only view of this state) until `name` equals `want`."""
+        deadline = time.monotonic() + timeout
+        while (value := self.metrics()[name]) != want:
+            assert time.monotonic() < deadline, f"{name} is {value}, expected {want}"
+            time.sleep(0.02)
 
 
 @contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from gapless import Engine, EngineConfig, SamplingParams
-from gapless.engine.cost_model import MIN_PREFILL_TOKENS, StepCostModel, step_features
+from gapless.engine.cost_model import CALIBRATION_WINDOW, StepCostModel, step_features
 
 TRUE = [0.02, 0.001, 2e-4, 3e-8]  # seconds: base, per decode, per prompt token, per pair
 
@@ -38,10 +38,27 @@ def test_longer_context_gets_a_smaller_budget():
     assert model.prefill_budget([100] * 4, 7000) < model.prefill_budget([100] * 4, 0)
 
 
-def test_untrained_model_uses_the_static_chunk_and_overload_keeps_prompts_moving():
+def test_untrained_model_uses_the_static_chunk_and_overload_allows_no_prompt_tokens():
     assert StepCostModel(0.1, fallback_chunk=384).prefill_budget([10], 0) == 384
     model = trained_model(target_s=0.005)  # decodes alone take longer than this
-    assert model.prefill_budget([100] * 8, 0) == MIN_PREFILL_TOKENS
+    assert model.prefill_budget([100] * 8, 0) == 0
+
+
+def test_steps_slower_than_predicted_shrink_the_budget_until_they_meet_the_target():
+    """A fit that is right on average overruns the target on half its steps; chunk steps
+    running 30% over the fit (e.g. the HTTP side taking CPU) must still meet it."""
+    model = trained_model(target_s=0.15)
+    decodes, start = [100] * 4, 2000
+    unslowed = model.prefill_budget(decodes, start)
+    rng = random.Random(1)
+    slower = []
+    for _ in range(64):
+        features = step_features(decodes, [(model.prefill_budget(decodes, start), start)])
+        slower.append(true_time(features) * rng.uniform(1.2, 1.3))
+        model.observe(features, slower[-1])
+    assert model.prefill_budget(decodes, start) < unslowed
+    # Once a tenth of the calibration window has seen it, every step is within the SLO (1.1x).
+    assert max(slower[CALIBRATION_WINDOW // 10 + 1 :]) <= 0.15 * 1.1
 
 
 def test_engine_with_a_latency_target_gives_the_same_tokens(checkpoint):

@@ -11,7 +11,9 @@ from checkpoints import UNICODE_SAMPLE
 from gguf import GGMLQuantizationType as QType
 from gguf_files import write_gguf
 from test_model import ModelRunner, Seq, prompt, run_chunks
+from test_quantize import mean_kl, rel_err
 
+from gapless.kernels.linear import Int4Linear
 from gapless.model.gguf import dequantize, load_gguf, unpack
 from gapless.model.loader import WeightError, load_decoder
 from gapless.model.tokenizer import Tokenizer
@@ -102,6 +104,18 @@ def test_gguf_logits_match_transformers_gguf_loader(gguf_file, arch, qtype):
     decoder, _ = load_gguf(path, "float32")
     got = run_chunks(ModelRunner(decoder, 8, 16), Seq(ids, 0), [24])
     assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1])
+def test_q4_gguf_runs_on_the_int4_kernel_as_dequantized(gguf_file, monkeypatch, qtype):
+    path, ids = gguf_file("llama", qtype, **PLAIN_LLAMA), prompt(32)
+    decoder, _ = load_gguf(path, "float32")
+    assert all(isinstance(lin, Int4Linear) for lin in (decoder.layers[0].qkv, decoder.lm_head))
+    monkeypatch.setenv("GAPLESS_KERNELS", "fallback")  # dequantized float32 weights
+    dequantized, _ = load_gguf(path, "float32")
+    want = run_chunks(ModelRunner(dequantized, 8, 16), Seq(ids, 0), [32])
+    got = run_chunks(ModelRunner(decoder, 8, 16), Seq(ids, 0), [16, 16])
+    assert rel_err(got, want) < 0.05 and mean_kl(want, got) < 1e-3
 
 
 def test_tokenizer_matches_the_checkpoints(checkpoint, gguf_file):

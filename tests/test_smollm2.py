@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import re
 
+import jsonschema
 import pytest
 import torch
 from test_model import ModelRunner, Seq, run_chunks
+from test_quantize import mean_kl
 
 from gapless import LLM, SamplingParams
+from gapless.engine.structured import json_schema_grammar
+from gapless.kernels.linear import Int4Linear
 from gapless.model.default_model import installed_default_model
+from gapless.model.gguf import load_gguf
 
 SMOLLM2 = installed_default_model()
 pytestmark = pytest.mark.skipif(
@@ -24,7 +30,7 @@ def llm() -> LLM:
     return LLM(SMOLLM2, dtype="float32", kv_cache_tokens=2048)
 
 
-def test_logits_and_ids_match_transformers_gguf_loader(llm):
+def test_logits_and_ids_match_transformers_gguf_loader(llm, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf_tokenizer = AutoTokenizer.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
@@ -35,8 +41,15 @@ def test_logits_and_ids_match_transformers_gguf_loader(llm):
     )
     with torch.no_grad():
         want = hf.eval()(torch.tensor([ids])).logits[0]
-    got = run_chunks(ModelRunner(llm.engine.decoder, 8, 16), Seq(ids, 0), [len(ids)])
+    # The fallback runs the Q4_1 weights dequantized to float32, as transformers does.
+    monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
+    dequantized, _ = load_gguf(SMOLLM2, "float32")
+    got = run_chunks(ModelRunner(dequantized, 8, 16), Seq(ids, 0), [len(ids)])
     assert (got - want).abs().max().item() < 1e-3
+    # The int4 kernel (bf16 activations), in decode-sized chunks: the bound.
+    assert isinstance(llm.engine.decoder.layers[0].gate, Int4Linear)
+    fast = run_chunks(ModelRunner(llm.engine.decoder, 8, 16), Seq(ids, 0), [1] * len(ids))
+    assert mean_kl(want, fast) < 0.01
 
 
 def test_greedy_chat_answer_is_english(llm):
@@ -47,3 +60,19 @@ def test_greedy_chat_answer_is_english(llm):
     assert "Paris" in out.text
     words = re.findall(r"[A-Za-z]+", out.text)
     assert len(words) >= 3 and all(w.isascii() for w in out.text.split())
+
+
+def test_json_schema_answer_is_valid_json_in_english(llm):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    params = SamplingParams(max_tokens=16, temperature=0, grammar=json_schema_grammar(schema))
+    [out] = llm.generate([llm.tokenizer.encode_chat(messages)], params)
+    answer = json.loads(out.text)
+    jsonschema.validate(answer, schema)
+    assert out.finish_reason == "stop"
+    assert re.fullmatch(r"[A-Z][a-z]+( [A-Za-z]+)*", answer["city"]), answer

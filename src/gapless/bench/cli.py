@@ -17,8 +17,15 @@ from typing import Any
 from gapless.bench import capacity
 from gapless.bench.client import RequestRecord, run_requests, served_max_model_len
 from gapless.bench.compare import ServerError, ServerProcess, parse_configs
+from gapless.bench.engine_only import engine_for, run_engine
 from gapless.bench.metrics import compute_metrics, parse_slo
-from gapless.bench.report import format_table, plot_capacity, plot_itl_cdf, plot_timeline
+from gapless.bench.report import (
+    format_table,
+    plot_capacity,
+    plot_itl_cdf,
+    plot_timeline,
+    plot_tradeoff,
+)
 from gapless.bench.roofline import add_roofline_parser
 from gapless.bench.workloads import (
     CHAT_OUTPUT_LOGNORMAL,
@@ -43,6 +50,12 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
         help="start our server once per configuration and compare them",
     )
     target.add_argument("--model-dir", type=Path, help="checkpoint served in --compare mode")
+    target.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="--compare: also run each configuration's engine in this process, without "
+        "server, HTTP or client (as NAME/engine)",
+    )
     target.add_argument(
         "--server-timeout",
         type=float,
@@ -266,6 +279,21 @@ def _warm_up(args: argparse.Namespace, url: str, model: str, prompt: list[int]) 
         raise ServerError(f"warm-up request failed: {errors[0]}")
 
 
+def _run_entry(
+    records: list[RequestRecord],
+    duration: float,
+    slo: dict[str, float],
+    flags: list[str] | None,
+    url: str | None,
+) -> dict[str, Any]:
+    return {
+        "server_flags": None if flags is None else " ".join(flags),
+        "url": url,
+        "metrics": compute_metrics(records, duration, slo),
+        "requests": [r.to_dict() for r in records],
+    }
+
+
 def bench_main(args: argparse.Namespace) -> int:
     try:
         slo = parse_slo(args.slo)
@@ -294,13 +322,19 @@ def bench_main(args: argparse.Namespace) -> int:
         except ServerError as exc:
             print(f"error: {name}: {exc}", file=sys.stderr)
             return 1
+        runs[name] = _run_entry(records, duration, slo, flags, url)
         records_by_config[name] = records
-        runs[name] = {
-            "server_flags": None if flags is None else " ".join(flags),
-            "url": url,
-            "metrics": compute_metrics(records, duration, slo),
-            "requests": [r.to_dict() for r in records],
-        }
+        if args.engine_only and flags is not None:
+            print(f"== {name}/engine: the same requests, engine only", file=sys.stderr)
+            engine = engine_for(args.model_dir, flags)
+            run_engine(
+                engine,
+                [BenchRequest(-1 - i, 0.0, requests[0].prompt[:8], 4) for i in range(args.warmup)],
+            )
+            records, duration = run_engine(engine, requests)
+            del engine
+            runs[f"{name}/engine"] = _run_entry(records, duration, slo, flags, None)
+            records_by_config[f"{name}/engine"] = records
 
     results = {
         "config": {
@@ -320,8 +354,12 @@ def bench_main(args: argparse.Namespace) -> int:
     (out / "table.md").write_text(table)
     plot_timeline(records_by_config, out / "timeline.png")
     plot_itl_cdf(records_by_config, out / "itl_cdf.png")
+    plots = "timeline.png, itl_cdf.png"
+    if args.workload == "stall":
+        plot_tradeoff({n: r["metrics"] for n, r in runs.items()}, out / "tradeoff.png")
+        plots += ", tradeoff.png"
     print(table)
-    print(f"wrote {out}/results.json, table.md, timeline.png, itl_cdf.png", file=sys.stderr)
+    print(f"wrote {out}/results.json, table.md, {plots}", file=sys.stderr)
     failed = sum(r["metrics"]["failed"] for r in runs.values())
     return 1 if failed else 0
 

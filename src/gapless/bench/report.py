@@ -179,3 +179,24 @@ def plot_capacity(
     if trials_by_system:
         ax.legend(fontsize=8)
     _save(fig, path)
+
+
+def plot_tradeoff(metrics_by_config: Mapping[str, Mapping], path: Path) -> None:
+    """Stall workload: the long prompt's TTFT against the streams' P99 ITL while it prefills,
+    one labelled point per config; HTTP runs are dots, engine-only runs (NAME/engine) crosses."""
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for name, m in metrics_by_config.items():
+        ttft, itl = m.get("long_ttft_ms"), m.get("long_prefill_itl_ms_p99")
+        if ttft is None or itl is None:
+            continue
+        ax.plot(itl, ttft / 1000, "x" if name.endswith("/engine") else "o", color="tab:blue")
+        ax.annotate(name, (itl, ttft / 1000), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    ax.set_xlabel("streams' P99 ITL during the long prefill (ms)")
+    ax.set_ylabel("long prompt TTFT (s)")
+    ax.set_title("latency target trade-off (o: through HTTP, x: engine only)", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    _save(fig, path)

@@ -19,7 +19,8 @@ log = logging.getLogger("gapless.engine")
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # By request id: where its events go, and how many of its choices are still running.
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, list[int]]] = {}
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="gapless-engine", daemon=True)
@@ -43,7 +44,8 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
     ) -> AsyncIterator[Event]:
-        """Adds a request now and returns its events, ending with FinishedEvent.
+        """Adds a request now and returns its events, ending with the FinishedEvent of the last
+        of its n choices.
 
         Raises RequestError / QueueFull / EngineFailed at once. If the consumer stops iterating
         early (a client disconnect), the request is cancelled.
@@ -54,26 +56,29 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
         # Registered before the engine can see the request, so no event is missed.
-        self._streams[request_id] = (loop, queue)
+        self._streams[request_id] = (loop, queue, [params.n])
         try:
             self.engine.add_request(prompt, params, request_id)
         except Exception:
             del self._streams[request_id]
             raise
         self._wake.set()
-        return self._events(request_id, queue)
+        return self._events(request_id, queue, params.n)
 
-    async def _events(self, request_id: str, queue: asyncio.Queue[Event]) -> AsyncIterator[Event]:
-        finished = False
+    async def _events(
+        self, request_id: str, queue: asyncio.Queue[Event], n: int
+    ) -> AsyncIterator[Event]:
+        finished = 0
         try:
             while True:
                 event = await queue.get()
                 yield event
                 if isinstance(event, FinishedEvent):
-                    finished = True
-                    return
+                    finished += 1
+                    if finished == n:
+                        return
         finally:
-            if not finished:
+            if finished < n:
                 self.engine.cancel(request_id)
                 self._wake.set()
 
@@ -107,9 +112,11 @@ class AsyncEngine:
                 target = self._streams.get(event.request_id)
                 if target is None:
                     continue
-                loop, queue = target
+                loop, queue, running = target
                 if isinstance(event, FinishedEvent):
-                    del self._streams[event.request_id]
+                    running[0] -= 1
+                    if not running[0]:
+                        del self._streams[event.request_id]
                 loop.call_soon_threadsafe(queue.put_nowait, event)
         if self.failure is not None and self.on_failure is not None:
             self.on_failure()

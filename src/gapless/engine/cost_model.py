@@ -7,7 +7,8 @@ chunk's tokens x the keys they see. (Separate terms for decode and prefill atten
 collinear with the base cost in practice and overestimated decodes.) The coefficients are refitted by
 least squares on recent steps, so the model follows the machine it runs on, its load and its
 thread count. With `--target-itl-ms X`, each step with decodes gets the largest prefill budget
-whose predicted step time stays under X.
+whose predicted step time, times the model's recent underestimate, stays under X. How much a
+step may take below that is the scheduler's policy (scheduler.py).
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from collections import deque
 
 import torch
 
-MIN_PREFILL_TOKENS = 16
 # Chunk size while the model has not yet timed enough chunks: small, so a step stays short
 # whatever the machine, and the fit learns what chunks cost.
-LEARNING_CHUNK = 64  # keep every prompt moving even when decodes alone use the target
+LEARNING_CHUNK = 64
 MIN_SAMPLES = 8
 WINDOW = 256
+# A least-squares fit is right on average, so about half the steps it sizes overrun the target;
+# a P99 target needs the fit's upper error. Budgets are sized for the target divided by this
+# quantile of actual/predicted over the last CALIBRATION_WINDOW steps that carried a chunk.
+CALIBRATION_QUANTILE = 0.9
+CALIBRATION_WINDOW = 64
 
 
 def step_features(decode_contexts: list[int], prefill_chunks: list[tuple[int, int]]) -> list[float]:
@@ -46,12 +51,18 @@ class StepCostModel:
         # Steps with prompt chunks in the fitted window: without enough of them the fit knows
         # nothing of a chunk's cost (a server that has only decoded would allow any chunk).
         self._prefill_steps = 0
+        self._ratios: deque[float] = deque(maxlen=CALIBRATION_WINDOW)
+
+    @property
+    def trained(self) -> bool:
+        return self.coef is not None and self._prefill_steps >= MIN_SAMPLES
 
     def observe(self, features: list[float], seconds: float) -> None:
+        if self.trained and features[2] > 0:
+            self._ratios.append(seconds / max(self.predict(features), 1e-9))
         self._samples.append((features, seconds))
         self._since_fit += 1
-        learning = self.coef is None or self._prefill_steps < MIN_SAMPLES
-        if len(self._samples) >= MIN_SAMPLES and (learning or self._since_fit >= 16):
+        if len(self._samples) >= MIN_SAMPLES and (not self.trained or self._since_fit >= 16):
             self._fit()
 
     def _fit(self) -> None:
@@ -71,16 +82,27 @@ class StepCostModel:
         assert self.coef is not None
         return float(torch.tensor(features, dtype=torch.float64) @ self.coef)
 
+    @property
+    def underestimate(self) -> float:
+        """How much longer than predicted recent chunk steps took, at the calibration quantile
+        (1 when the fit has been accurate or pessimistic)."""
+        if not self._ratios:
+            return 1.0
+        ratios = torch.tensor(list(self._ratios), dtype=torch.float64)
+        return max(1.0, float(torch.quantile(ratios, CALIBRATION_QUANTILE)))
+
     def prefill_budget(self, decode_contexts: list[int], prefill_start: int) -> int:
-        """Prompt tokens this step can take, given its decodes and where the next chunk starts."""
-        if self.coef is None or self._prefill_steps < MIN_SAMPLES:
+        """Prompt tokens this step can take, given its decodes and where the next chunk starts:
+        0 when the decodes alone are predicted to use the target."""
+        if not self.trained:
             return self.fallback_chunk
+        target = self.target_s / self.underestimate
         lo, hi = 0, self.max_chunk
         while lo < hi:  # largest n whose predicted step time meets the target
             mid = (lo + hi + 1) // 2
             t = self.predict(step_features(decode_contexts, [(mid, prefill_start)]))
-            if t <= self.target_s:
+            if t <= target:
                 lo = mid
             else:
                 hi = mid - 1
-        return max(lo, MIN_PREFILL_TOKENS)
+        return lo

@@ -64,6 +64,8 @@ class Launch:
 class LoadModel:
     path: str
     dtype: str
+    quantize: str | None = None
+    quantize_group_size: int = 32
 
 
 @dataclass
@@ -189,7 +191,10 @@ def serve_worker(parallel: TensorParallel) -> int:
         while (message := parallel.broadcast()) is not None:
             if isinstance(message, LoadModel):
                 runner = None  # frees the old model's KV cache first
-                decoder, _ = load_model(message.path, message.dtype, parallel.device, parallel)
+                quantize = (message.quantize, message.quantize_group_size)
+                decoder, _ = load_model(
+                    message.path, message.dtype, parallel.device, parallel, *quantize
+                )
             elif isinstance(message, AllocateKV):
                 assert decoder is not None
                 runner = ModelRunner(decoder, message.num_blocks, message.block_size)

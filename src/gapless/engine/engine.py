@@ -23,11 +23,13 @@ from gapless.engine.sampler import sample, top_logprobs
 from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
 from gapless.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from gapless.engine.stopping import StopStringFilter
+from gapless.engine.structured import GrammarCompiler, GrammarError
 from gapless.kernels import rank_device
 from gapless.kv.block_pool import BlockPool
 from gapless.model.checkpoint import load_model
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import RankFailed
+from gapless.model.quantize import quantizer
 from gapless.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("gapless.engine")
@@ -56,6 +58,8 @@ class EngineFailed(RuntimeError):
 class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"  # cuda when available, else cpu
+    quantize: str | None = None  # int8 or int4: weight-only, round-to-nearest at load
+    quantize_group_size: int = 32  # int4: columns per scale and offset (32, 64 or 128)
     block_size: int = 16
     kv_cache_tokens: int | None = None  # KV capacity in tokens; overrides kv_memory_gib
     kv_memory_gib: float = 2.0
@@ -84,6 +88,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.kv_memory_gib <= 0:
             raise ValueError(f"kv_memory_gib must be positive, got {self.kv_memory_gib!r}")
+        quantizer(self.quantize, self.quantize_group_size)  # raises ValueError if unknown
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue!r}")
         if self.prefill_policy not in ("fcfs", "shortest"):
@@ -147,9 +152,10 @@ class Engine:
             budget,
         )
         self.eos_ids = set(tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, mcfg.vocab_size, sorted(self.eos_ids))
         self.metrics = EngineMetrics()
         self.num_steps = 0
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, list[Request]] = {}  # by id: the live choices
         self._incoming: deque[Request] = deque()
         self._cancels: deque[str] = deque()
         self._lock = threading.Lock()
@@ -165,14 +171,16 @@ class Engine:
         it forms the group (spawning this host's other ranks; `launch` says where they sit)
         and every rank loads its shard."""
         config = config or EngineConfig()
+        quantize = (config.quantize, config.quantize_group_size)
         if config.tensor_parallel_size == 1:
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
-            return cls(*load_model(path, config.dtype, rank_device(config.device, 0)), config)
+            device = rank_device(config.device, 0)
+            return cls(*load_model(path, config.dtype, device, None, *quantize), config)
         launch = launch or distributed.Launch(threads=config.num_threads, device=config.device)
         parallel = distributed.start(config.tensor_parallel_size, launch)
-        parallel.broadcast(distributed.LoadModel(str(path), config.dtype))
-        engine = cls(*load_model(path, config.dtype, parallel.device, parallel), config)
+        parallel.broadcast(distributed.LoadModel(str(path), config.dtype, *quantize))
+        engine = cls(*load_model(path, config.dtype, parallel.device, parallel, *quantize), config)
         runner = engine.runner
         parallel.broadcast(distributed.AllocateKV(runner.num_blocks, runner.block_size))
         return engine
@@ -187,30 +195,57 @@ class Engine:
         progress_callback: Callable[[ProgressEvent], None] | None = None,
         whole_prefill: bool = False,
     ) -> str:
-        """Queues a request (thread-safe); it starts at the next step. Returns its id."""
+        """Queues a request (thread-safe); it starts at the next step. Returns its id.
+
+        A request for n choices is n sequences under one id, told apart by their events'
+        `index`: the first prefills the prompt, the others fork from it (Scheduler.fork)."""
         params = params or SamplingParams()
         ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(ids, params)
         request_id = request_id or uuid.uuid4().hex
-        request = Request(
-            request_id, ids, params, progress_callback, whole_prefill or self.whole_prefill
-        )
-        if params.seed is not None:
-            # On the CPU whatever the device: one uniform draw per token, and the same draws on
-            # every device.
-            request.generator = torch.Generator().manual_seed(params.seed)
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        if params.stop:
-            request.stop_filter = StopStringFilter(params.stop, params.include_stop_str_in_output)
+        choices = [
+            self._choice(request_id, i, ids, params, progress_callback, whole_prefill)
+            for i in range(params.n)
+        ]
+        first = choices[0]
+        first.forks = choices[1:]
         with self._lock:
             if request_id in self._requests:
                 raise RequestError(f"request id {request_id!r} is already in use", "request_id")
             limit = self.config.max_queue
             if limit is not None and len(self.scheduler.waiting) + len(self._incoming) >= limit:
                 raise QueueFull(f"the queue is full ({limit} waiting requests)")
-            self._requests[request_id] = request
-            self._incoming.append(request)
+            self._requests[request_id] = choices
+            self._incoming.append(first)
         return request_id
+
+    def _choice(
+        self,
+        request_id: str,
+        index: int,
+        ids: list[int],
+        params: SamplingParams,
+        progress_callback: Callable[[ProgressEvent], None] | None,
+        whole_prefill: bool,
+    ) -> Request:
+        request = Request(
+            request_id, ids, params, progress_callback, whole_prefill or self.whole_prefill
+        )
+        request.index = index
+        if params.seed is not None:
+            # On the CPU whatever the device: one uniform draw per token, and the same draws on
+            # every device. Choice i draws from seed + i, wrapped into the seed range.
+            seed = (params.seed + index + 2**63) % 2**64 - 2**63
+            request.generator = torch.Generator().manual_seed(seed)
+        request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        if params.stop:
+            request.stop_filter = StopStringFilter(params.stop, params.include_stop_str_in_output)
+        if params.grammar is not None:
+            try:
+                request.matcher = self.grammars.matcher(params.grammar)
+            except GrammarError as e:
+                raise RequestError(f"the grammar does not compile: {e}", "grammar") from e
+        return request
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> str:
         """Pre-chunking behaviour: the whole prompt prefills in one step, then decodes."""
@@ -281,8 +316,7 @@ class Engine:
         to_sample: list[tuple[Request, torch.Tensor]] = []
         for chunk, rows in self._forward(events, chunks):
             try:
-                if self._advance(events, chunk, rows):
-                    to_sample.append((chunk.request, rows[-1]))
+                to_sample += [(req, rows[-1]) for req in self._advance(events, chunk, rows)]
             except Exception as exc:
                 self._fail(events, chunk.request, exc)
         for req, token, info in self._sample(events, to_sample):
@@ -326,8 +360,11 @@ class Engine:
                 self._fail(events, chunk.request, exc)
         return survivors
 
-    def _advance(self, events: list[Event], chunk: ScheduledChunk, rows: torch.Tensor) -> bool:
-        """Books a computed chunk; True when its request now samples a token from rows[-1]."""
+    def _advance(
+        self, events: list[Event], chunk: ScheduledChunk, rows: torch.Tensor
+    ) -> list[Request]:
+        """Books a computed chunk; returns the requests that now sample a token from rows[-1]:
+        its own, and when it completes a prompt with n choices, the forked ones too."""
         req = chunk.request
         in_prompt = req.num_computed < len(req.prompt_ids)
         if in_prompt and req.params.prompt_logprobs is not None:
@@ -338,11 +375,18 @@ class Engine:
             processed = min(req.num_computed, len(req.prompt_ids))
             self._emit(events, req, ProgressEvent(req.request_id, processed, len(req.prompt_ids)))
         if req.num_computed < req.num_tokens:
-            return False
+            return []
         if req.params.max_tokens == 0:
             self._finish(events, req, "length")
-            return False
-        return True
+            return []
+        if not req.forks:
+            return [req]
+        for fork in req.forks:
+            fork.prompt_logprobs = list(req.prompt_logprobs)
+        forked, copies = self.scheduler.fork(req, req.forks)
+        req.forks = []
+        self.runner.copy_blocks(copies)
+        return [req, *forked]
 
     def _sample(
         self, events: list[Event], batch: list[tuple[Request, torch.Tensor]]
@@ -382,8 +426,9 @@ class Engine:
         """Ends every live request with an error, releasing its KV; the engine stays usable."""
         events: list[Event] = []
         self._take_incoming(events)
-        for req in list(self._requests.values()):
-            self._finish(events, req, "error", error)
+        for choices in list(self._requests.values()):
+            for req in list(choices):
+                self._finish(events, req, "error", error)
         return events
 
     def _take_incoming(self, events: list[Event]) -> None:
@@ -393,8 +438,7 @@ class Engine:
             cancels = list(self._cancels)
             self._cancels.clear()
         for request_id in cancels:
-            req = self._requests.get(request_id)
-            if req is not None:
+            for req in list(self._requests.get(request_id, [])):
                 self._finish(events, req, "cancelled")
 
     def _record_prompt_logprobs(self, req: Request, start: int, rows: torch.Tensor) -> None:
@@ -413,6 +457,8 @@ class Engine:
     ) -> None:
         now = time.monotonic()
         p = req.params
+        if req.matcher is not None:
+            req.matcher.accept(token)
         req.output_ids.append(token)
         if req.token_counts is not None:
             req.token_counts.add(token)
@@ -431,6 +477,8 @@ class Engine:
             finish, text = "stop", ""
         else:
             text = req.detokenizer.add([token])
+        if finish is None and req.matcher is not None and req.matcher.complete:
+            finish = "stop"  # the grammar allows nothing more
         if finish is None and (
             len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len
         ):
@@ -446,18 +494,26 @@ class Engine:
             elif finish is not None:
                 rest, held = req.stop_filter.flush()
                 text, logprobs = text + rest, logprobs + held
-        self._emit(events, req, TokenEvent(req.request_id, [token], text, logprobs or None))
+        self._emit(
+            events, req, TokenEvent(req.request_id, [token], text, logprobs or None, req.index)
+        )
         if finish is not None:
             self._finish(events, req, finish)
 
     def _finish(
         self, events: list[Event], req: Request, reason: str, error: str | None = None
     ) -> None:
+        if req.state is RequestState.FINISHED:
+            return  # a fork already ended with the choice it waited on
         self.scheduler.remove(req)
         req.state = RequestState.FINISHED
         req.finish_time = time.monotonic()
         with self._lock:
-            self._requests.pop(req.request_id, None)
+            choices = self._requests.get(req.request_id, [])
+            if req in choices:
+                choices.remove(req)
+            if not choices:
+                self._requests.pop(req.request_id, None)
             if req in self._incoming:
                 self._incoming.remove(req)
         self.metrics.requests_finished[reason] = self.metrics.requests_finished.get(reason, 0) + 1
@@ -474,10 +530,16 @@ class Engine:
                 if req.params.prompt_logprobs is not None
                 else None,
                 error=error,
+                stop_string=req.stop_filter.matched if req.stop_filter else None,
                 preempted=req.preemptions,
                 timings=self._timings(req),
+                index=req.index,
             ),
         )
+        # Choices still waiting to fork from this one end with it: they have no prompt KV.
+        forks, req.forks = req.forks, []
+        for fork in forks:
+            self._finish(events, fork, reason, error)
 
     @staticmethod
     def _timings(req: Request) -> dict[str, float]:

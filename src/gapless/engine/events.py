@@ -29,11 +29,12 @@ class TokenEvent:
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None
+    index: int = 0  # which of the request's n choices
 
 
 @dataclass
 class FinishedEvent:
-    """The last event of a request. finish_reason: stop, length, cancelled or error."""
+    """The last event of one choice. finish_reason: stop, length, cancelled or error."""
 
     request_id: str
     finish_reason: str
@@ -42,8 +43,10 @@ class FinishedEvent:
     cached_prompt_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None
+    stop_string: str | None = None  # the stop string that ended it, if one did
     preempted: int = 0  # times the request was preempted and recomputed
     timings: dict[str, float] = field(default_factory=dict)
+    index: int = 0  # which of the request's n choices; the request ends when all n have
 
 
 Event = ProgressEvent | TokenEvent | FinishedEvent

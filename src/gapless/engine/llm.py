@@ -44,12 +44,14 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         if not isinstance(params, list):
             params = [params or SamplingParams()] * len(prompts)
+        if any(p.n > 1 for p in params):
+            raise ValueError("LLM.generate returns one output per prompt: n must be 1")
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         outputs: dict[str, RequestOutput] = {}
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         texts: dict[str, list[str]] = {i: [] for i in ids}
         logprobs: dict[str, list[TokenLogprob]] = {i: [] for i in ids}
-        requests = {i: self.engine._requests[i] for i in ids}
+        requests = {i: self.engine._requests[i][0] for i in ids}
         while len(outputs) < len(ids):
             for event in self.engine.step():
                 rid = event.request_id

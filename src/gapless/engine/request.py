@@ -16,6 +16,7 @@ from gapless.engine.stopping import StopStringFilter
 
 if TYPE_CHECKING:
     from gapless.engine.sampler import TokenCounts
+    from gapless.engine.structured import GrammarMatcher
 
 
 class RequestState(enum.Enum):
@@ -28,7 +29,7 @@ class RequestState(enum.Enum):
 # eq=False: requests are compared by identity; two requests are never the same by value.
 @dataclass(eq=False)
 class Request:
-    request_id: str
+    request_id: str  # shared by a request's n choices
     prompt_ids: list[int]
     params: SamplingParams
     progress_callback: Callable[[ProgressEvent], None] | None = None
@@ -36,6 +37,7 @@ class Request:
     whole_prefill: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_step: int = 0  # the scheduler's step count when it was queued, for aging
+    index: int = 0  # which of the request's n choices
 
     state: RequestState = RequestState.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -51,6 +53,9 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     detokenizer: object | None = None
     stop_filter: StopStringFilter | None = None
+    matcher: GrammarMatcher | None = None
+    # The other choices, until this one's prompt is computed and they share its KV blocks.
+    forks: list[Request] = field(default_factory=list)
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

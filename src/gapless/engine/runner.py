@@ -57,6 +57,15 @@ class ModelRunner:
         cfg = decoder.config
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * decoder.embed.element_size()
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies the K/V of block src into block dst, for each (src, dst)."""
+        if not pairs:
+            return
+        src, dst = (torch.tensor(p, device=self.decoder.device) for p in zip(*pairs, strict=True))
+        for keys, values in self.kv_cache:
+            keys[dst] = keys[src]
+            values[dst] = values[src]
+
     def execute(self, chunks: list[ScheduledChunk], all_logits: set[int]) -> list[torch.Tensor]:
         """Runs the chunks in one forward pass.
 

@@ -97,11 +97,16 @@ def sample(requests: list[Request], logits: torch.Tensor) -> list[tuple[int, Tok
     single uniform number from its request's generator (inverse-CDF sampling), so a seeded
     request's draws do not depend on what else shares the batch (its logits still can, in
     the last bits: docs/server.md, "Seeds").
+
+    A request under a grammar has the tokens it forbids masked out first; the other rows are
+    untouched. Logprobs are the model's own, before masks and penalties.
     """
     raw = logits
+    logits = apply_grammars(requests, logits)
     penalised = [i for i, r in enumerate(requests) if _penalised(r)]
     if penalised:
-        logits = logits.clone()
+        if logits is raw:
+            logits = logits.clone()
         for i in penalised:
             p, req = requests[i].params, requests[i]
             if req.token_counts is None:
@@ -137,6 +142,19 @@ def sample(requests: list[Request], logits: torch.Tensor) -> list[tuple[int, Tok
             info = top_logprobs(raw[i].log_softmax(-1), tokens[i], req.params.logprobs)
         results.append((tokens[i], info))
     return results
+
+
+def apply_grammars(requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
+    """The logits with each constrained row's forbidden tokens at -inf; the same tensor when
+    no row is constrained."""
+    constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
+    if not constrained:
+        return logits
+    logits = logits.clone()
+    for i in constrained:
+        allowed = requests[i].matcher.allowed().to(logits.device)
+        logits[i].masked_fill_(~allowed, float("-inf"))
+    return logits
 
 
 def _penalised(request: Request) -> bool:

@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
+MAX_N = 16  # choices per request: each holds its own KV for its output
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
@@ -37,6 +38,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # logprob of each actual prompt token (+ top-k)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1  # choices sampled from one prompt; choice i seeds its draws with seed + i
+    # The output must match this grammar (llguidance's serialized form, engine/structured.py).
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +58,7 @@ class SamplingParams:
                 "seed",
                 "must fit in a signed 64-bit integer",
             ),
+            (1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]"),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),

@@ -5,12 +5,16 @@ Each step is one hybrid batch:
    never waits for someone else's prompt. If the KV pool cannot hold the next tokens, the
    most recently admitted request is preempted (blocks freed, requeued, recomputed later).
 2. What is left of the token budget goes to prompt chunks. The budget is `prefill_chunk`
-   while anyone decodes (or what the latency target allows, see cost_model.py), and
-   `idle_prefill_chunk` when nobody does, so an idle server prefills at full speed.
+   while anyone decodes, and `idle_prefill_chunk` when nobody does, so an idle server
+   prefills at full speed. Under a latency target it is what the cost model predicts fits
+   in the target beside the decodes (cost_model.py), but never under `min_prefill_chunk`:
+   when decodes alone use the target, prompts still move at a guaranteed rate.
 3. Chunks go to prefilling and waiting requests in policy order: `fcfs` by arrival, or
    `shortest` remaining prefill first, aged by steps waited so that no prompt starves. Several prompts may
    share the budget. Waiting requests are admitted while `max_num_seqs` and free KV allow.
 A request marked whole_prefill (submit(), or chunking off) takes its whole prompt at once.
+
+A request for n choices prefills its prompt once; the other n - 1 then fork from it (fork()).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     prefill_chunk: int = 512
     idle_prefill_chunk: int = 4096
+    # Under a latency target, prompt tokens every step takes whatever the decodes cost: an
+    # N-token prompt at the front is done within N / min_prefill_chunk steps.
+    min_prefill_chunk: int = 64
     prefill_policy: str = "shortest"
     enable_prefix_cache: bool = True
     # The widest attention window over all layers (None: full attention).
@@ -87,7 +94,10 @@ class Scheduler:
             budget = self.config.idle_prefill_chunk
         elif self.prefill_budget is not None and candidates:
             contexts = [c.request.num_computed + 1 for c in chunks]
-            budget = self.prefill_budget(contexts, candidates[0].num_computed)
+            budget = max(
+                self.prefill_budget(contexts, candidates[0].num_computed),
+                self.config.min_prefill_chunk,
+            )
         else:
             budget = self.config.prefill_chunk
         for request in candidates:
@@ -161,13 +171,50 @@ class Scheduler:
             self.prefix_hit_tokens += request.num_computed
             self.prefix_queried_tokens += request.num_tokens
         self.waiting.remove(request)
+        self._start(request)
+        return True
+
+    def _start(self, request: Request) -> None:
         self.running.append(request)
         request.state = RequestState.PREFILLING
         request.admitted_seq = self._admissions
         self._admissions += 1
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
-        return True
+
+    def fork(
+        self, parent: Request, children: list[Request]
+    ) -> tuple[list[Request], list[tuple[int, int]]]:
+        """Starts the children on the parent's computed prompt: its full KV blocks shared by
+        reference, its partly filled last block copied (their next tokens differ). A child
+        that does not fit now (sequence cap, no free block) waits as an ordinary request.
+
+        Returns the forked children, which sample from the parent's last logits, and the
+        (source, destination) blocks whose K/V the runner must copy."""
+        bs = self.pool.block_size
+        full, partial = divmod(parent.num_computed, bs)
+        shared = [b for b in parent.block_table[:full] if b >= 0]
+        forked: list[Request] = []
+        copies: list[tuple[int, int]] = []
+        for child in children:
+            if len(self.running) >= self.config.max_num_seqs or (
+                partial and not self.pool.num_available
+            ):
+                self.add(child)
+                continue
+            self.pool.share(shared)
+            child.block_table = parent.block_table[:full]
+            if partial:
+                [own] = self.pool.allocate(1)
+                copies.append((parent.block_table[full], own))
+                child.block_table.append(own)
+            child.num_computed = parent.num_computed
+            child.block_hashes = parent.block_hashes[:full]
+            child.num_registered = min(parent.num_registered, full)
+            child.cached_prompt_tokens = parent.cached_prompt_tokens
+            self._start(child)
+            forked.append(child)
+        return forked, copies
 
     def _reserve(self, request: Request, n: int) -> bool:
         """Makes room in the request's block table for its next n tokens."""

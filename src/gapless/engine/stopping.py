@@ -28,6 +28,7 @@ class StopStringFilter:
         self._emitted = 0  # characters returned so far
         self._items: deque[tuple[int, Any]] = deque()  # (where its delta starts, item)
         self.stopped = False
+        self.matched: str | None = None  # the stop string found
 
     def feed(self, delta: str, item: Any = None) -> tuple[str, list[Any]]:
         """Returns the text safe to emit now and the items that belong to it; sets `stopped`
@@ -40,6 +41,7 @@ class StopStringFilter:
         text = self._held + delta
         if match := self._pattern.search(text):
             self.stopped = True
+            self.matched = match.group()
             out = text[: match.end() if self.include_stop else match.start()]
             self._held = ""
         else:

@@ -13,14 +13,22 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from gapless.kernels import attention
-from gapless.kernels.linear import Linear, PackedLinear, PlainLinear
-from gapless.kernels.probe import cpu_flash_works, machine, packed_linear_works
+from gapless.kernels.linear import Int4Linear, Int8Linear, Linear, PackedLinear, PlainLinear
+from gapless.kernels.probe import (
+    cpu_flash_works,
+    int4_mm_works,
+    int8_mm_works,
+    machine,
+    packed_linear_works,
+)
+from gapless.model.quantize import GroupQuant
 
 if TYPE_CHECKING:
     from gapless.model.decoder import AttentionGroup
@@ -37,6 +45,7 @@ __all__ = [
 
 log = logging.getLogger("gapless.kernels")
 
+QUANT_KERNEL_MAX_ROWS = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -52,8 +61,18 @@ class Kernels:
     # A history in more runs of consecutive cache slots than this is gathered instead:
     # each run costs one more attention call.
     max_history_runs: int = 8
+    # Activations' dtype for the int8 / int4 weight-only kernels; None: dequantize instead.
+    int8_dtype: torch.dtype | None = None
+    int4_dtype: torch.dtype | None = None
+    # Batches of more rows than this dequantize a quantized weight and run the dense matmul:
+    # from about there the int kernels were slower here (docs/benchmarks.md).
+    int_kernel_max_rows: int = QUANT_KERNEL_MAX_ROWS
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    def linear(self, weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None) -> Linear:
+        if isinstance(weight, GroupQuant) and weight.codes.dtype == torch.int8:
+            return Int8Linear(weight, bias, self.int8_dtype, self.int_kernel_max_rows)
+        if isinstance(weight, GroupQuant):
+            return Int4Linear(weight, bias, self.int4_dtype, self.int_kernel_max_rows)
         if self.packed_linear:
             return PackedLinear(weight, bias)
         return PlainLinear(weight, bias)
@@ -91,7 +110,11 @@ class Kernels:
         linear = "onednn-packed" if self.packed_linear else "F.linear"
         attn = "in-place paged" if self.in_place_attention else "gathered sdpa"
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"kernels: {where}, {dtype} {linear} linear, {attn} attention"
+        quant = ", ".join(
+            f"{name} kernel on {str(dt).removeprefix('torch.')}" if dt else f"{name} dequantized"
+            for name, dt in (("int8", self.int8_dtype), ("int4", self.int4_dtype))
+        )
+        return f"kernels: {where}, {dtype} {linear} linear, {attn} attention, {quant}"
 
 
 def _forced_fallback() -> bool:
@@ -103,12 +126,15 @@ def _forced_fallback() -> bool:
 
 def select(device: torch.device, dtype: torch.dtype) -> Kernels:
     """The fastest kernels the probe finds working for this device and dtype; logs them."""
-    cpu = device.type == "cpu" and not _forced_fallback()
+    fallback = _forced_fallback()
+    cpu = device.type == "cpu" and not fallback
     kernels = Kernels(
         device,
         dtype,
         packed_linear=cpu and packed_linear_works(dtype),
         in_place_attention=cpu and cpu_flash_works(dtype),
+        int8_dtype=None if fallback else _int_kernel_dtype(int8_mm_works, device, dtype),
+        int4_dtype=None if fallback else _int_kernel_dtype(int4_mm_works, device, dtype),
     )
     log.info(kernels.describe())
     if device.type == "cpu" and dtype != torch.float32 and not machine().fast_cpu_bf16:
@@ -117,6 +143,18 @@ def select(device: torch.device, dtype: torch.dtype) -> Kernels:
             str(dtype).removeprefix("torch."),
         )
     return kernels
+
+
+def _int_kernel_dtype(
+    works: Callable[[str, torch.dtype], bool], device: torch.device, dtype: torch.dtype
+) -> torch.dtype | None:
+    """bfloat16 activations where the kernel takes them, even in a float32 run: on the CPU
+    the int kernels ran ~17x faster on them (docs/benchmarks.md); the CUDA int4 kernel takes
+    nothing else. Else the run dtype, or None where the kernel is missing."""
+    for candidate in (torch.bfloat16, dtype):
+        if works(device.type, candidate):
+            return candidate
+    return None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gapless.model.quantize import GroupQuant
+
 
 class PlainLinear:
     """Public ops only: runs on every device and dtype torch supports."""
@@ -52,4 +54,113 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "mul")
 
 
-Linear = PlainLinear | PackedLinear
+class QuantizedLinear:
+    """A weight-only quantized linear (see GroupQuant); what int8 and int4 share.
+
+    Batches of up to `kernel_max_rows` rows (decode steps) run the int kernel, which reads
+    the weight as it is stored: the fewer bytes, the faster a bandwidth-bound decode step.
+    Larger batches (prompt chunks) dequantize the weight to the activations' dtype per call
+    and run the dense matmul: the int kernels were ~3x slower there than oneDNN's bf16 linear.
+    The kernels take activations in `kernel_dtype`; with None, or for a shape the kernel
+    cannot take, every batch takes the dense path: the fallback.
+    """
+
+    def __init__(
+        self,
+        weight: GroupQuant,
+        bias: torch.Tensor | None,
+        kernel_dtype: torch.dtype | None,
+        kernel_max_rows: int,
+    ) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.kernel_dtype = kernel_dtype
+        fits = kernel_dtype is not None and self.kernel_fits(*weight.codes.shape)
+        self.kernel_max_rows = kernel_max_rows if fits else 0
+
+    @staticmethod
+    def kernel_fits(rows: int, cols: int) -> bool:
+        raise NotImplementedError
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.kernel_max_rows:
+            return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
+        y = self._kernel(x.to(self.kernel_dtype)).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self(x))
+
+    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self(x) * other
+
+
+class Int8Linear(QuantizedLinear):
+    """int8 codes with one scale per output row, on `_weight_int8pack_mm`."""
+
+    def __init__(
+        self,
+        weight: GroupQuant,
+        bias: torch.Tensor | None = None,
+        kernel_dtype: torch.dtype | None = None,
+        kernel_max_rows: int = 0,
+    ) -> None:
+        if weight.offset is not None or weight.group_size != weight.codes.shape[1]:
+            raise ValueError("Int8Linear takes symmetric int8 codes with one scale per row")
+        super().__init__(weight, bias, kernel_dtype, kernel_max_rows)
+        if self.kernel_max_rows:
+            self.kernel_scale = weight.scale[:, 0].to(kernel_dtype)
+
+    @staticmethod
+    def kernel_fits(rows: int, cols: int) -> bool:
+        # torch 2.13's CPU kernel returned NaNs, or crashed, for other widths.
+        return cols % 16 == 0
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight.codes, self.kernel_scale)
+
+
+class Int4Linear(QuantizedLinear):
+    """4-bit codes with a scale and offset per group of 32, 64 or 128 columns, on the int4
+    kernels, which compute (code - 8) * scale + zero: zero = offset + 8 * scale.
+
+    The codes are kept twice: one a byte for the dense path, and two a byte in the kernel's
+    own tiled layout, which is all a decode step reads.
+    """
+
+    def __init__(
+        self,
+        weight: GroupQuant,
+        bias: torch.Tensor | None = None,
+        kernel_dtype: torch.dtype | None = None,
+        kernel_max_rows: int = 0,
+    ) -> None:
+        super().__init__(weight, bias, kernel_dtype, kernel_max_rows)
+        if not self.kernel_max_rows:
+            return
+        zero = weight.offset + 8 * weight.scale
+        # [cols / group, rows, 2]: each group's scales and zeros, as the kernels take them.
+        self.scales_and_zeros = torch.stack((weight.scale.T, zero.T), dim=-1).to(kernel_dtype)
+        codes = weight.codes
+        if codes.device.type == "cuda":  # untested: no GPU was at hand
+            pairs = codes[:, ::2] << 4 | codes[:, 1::2]  # even columns in the high nibble
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+
+    @staticmethod
+    def kernel_fits(rows: int, cols: int) -> bool:
+        return rows % 16 == 0  # the CPU packing's requirement
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cuda":
+            mm = torch.ops.aten._weight_int4pack_mm
+        else:
+            mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        return mm(x, self.packed, self.weight.group_size, self.scales_and_zeros)
+
+
+Linear = PlainLinear | PackedLinear | Int8Linear | Int4Linear

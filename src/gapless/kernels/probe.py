@@ -79,3 +79,29 @@ def cpu_flash_works(dtype: torch.dtype) -> bool:
     """The CPU flash-attention op, which also returns each row's log-sum-exp."""
     q = torch.ones(1, 1, 2, 16, dtype=dtype)
     return _works(lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q))
+
+
+@functools.cache
+def int8_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    """The int8 weight-only matmul (per-row scales) on this device, with activations in dtype."""
+    x, w = torch.ones(2, 32, dtype=dtype, device=device_type), torch.ones(16, 32, dtype=torch.int8)
+    scale = torch.ones(16, dtype=dtype, device=device_type)
+    return _works(lambda: torch.ops.aten._weight_int8pack_mm(x, w.to(device_type), scale))
+
+
+@functools.cache
+def int4_mm_works(device_type: str, dtype: torch.dtype) -> bool:
+    """The int4 weight-only matmul (group 32) and its packing op, on this device, in dtype."""
+    x = torch.ones(2, 64, dtype=dtype, device=device_type)
+    codes = torch.ones(16, 64, dtype=torch.int32, device=device_type)
+    scales_and_zeros = torch.ones(2, 16, 2, dtype=dtype, device=device_type)
+
+    def run() -> None:
+        if device_type == "cuda":
+            packed = torch.ops.aten._convert_weight_to_int4pack(codes[:, ::2].to(torch.uint8), 8)
+            torch.ops.aten._weight_int4pack_mm(x, packed, 32, scales_and_zeros)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)
+
+    return _works(run)

@@ -69,6 +69,12 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
+    def share(self, blocks: list[int]) -> None:
+        """One more reference to each of these used blocks (a forked sequence reads them)."""
+        for block in blocks:
+            assert self._refs[block] > 0, f"block {block} is not in use"
+            self._refs[block] += 1
+
     def lookup(self, block_hash: int) -> int | None:
         """A cached block holding this prefix hash, now referenced by the caller; or None."""
         block = self._block_of.get(block_hash)

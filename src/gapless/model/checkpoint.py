@@ -18,8 +18,12 @@ def load_model(
     dtype: str = "auto",
     device: str | torch.device = "cpu",
     parallel: TensorParallel | None = None,
+    quantize: str | None = None,
+    group_size: int = 32,
 ) -> tuple[Decoder, Tokenizer]:
-    """The decoder (this rank's shard of it, with `parallel`) and the tokenizer."""
+    """The decoder (this rank's shard of it, with `parallel`) and the tokenizer; quantize as
+    load_decoder's."""
     if is_gguf(path):
-        return load_gguf(path, dtype, device, parallel)
-    return load_decoder(path, dtype, device, parallel), Tokenizer.from_pretrained(path)
+        return load_gguf(path, dtype, device, parallel, quantize, group_size)
+    decoder = load_decoder(path, dtype, device, parallel, quantize, group_size)
+    return decoder, Tokenizer.from_pretrained(path)

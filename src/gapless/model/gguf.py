@@ -1,15 +1,16 @@
 """Load a GGUF file (llama.cpp's format) as it is: config, weights and tokenizer from one file.
 
-The file is read with the `gguf` package, llama.cpp's own reader. Every tensor is dequantized
-to the run dtype at load. Q8_0, Q4_0 and Q4_1 first unpack into integer codes with a scale and
-an offset per group of 32 (`GroupQuant`), the form int8/int4 group-32 kernels take directly;
-other quantized types go through the `gguf` package's reference dequantizer.
+The file is read with the `gguf` package, llama.cpp's own reader. Q4_0 and Q4_1 tensors
+unpack into 4-bit codes with a scale and an offset per group of 32 (`GroupQuant`), exactly the
+form the int4 linears take, and run as they are. Every other tensor is dequantized to the run
+dtype at load: Q8_0 too, whose scale per 32 columns the int8 kernel (one scale per row) cannot
+take; other quantized types go through the `gguf` package's reference dequantizer.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -22,6 +23,7 @@ from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder
 from gapless.model.gguf_tokenizer import field_value, tokenizer_from_gguf
 from gapless.model.loader import (
+    Weight,
     WeightError,
     build_decoder,
     check_names,
@@ -29,6 +31,7 @@ from gapless.model.loader import (
     expected_shapes,
 )
 from gapless.model.parallel import TensorParallel
+from gapless.model.quantize import GroupQuant, quantizer
 from gapless.model.tokenizer import Tokenizer
 
 # general.architecture -> the Hugging Face architecture with the same decoder.
@@ -38,6 +41,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 UNPACKED_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1)
+INT4_TYPES = (QType.Q4_0, QType.Q4_1)  # run on the int4 linears as they are
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 # Quantized types whose reference dequantizer in the `gguf` package is used as it is.
 REFERENCE_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q5_0, QType.Q5_1, QType.Q2_K,
@@ -73,28 +77,6 @@ def gguf_name(hf_name: str) -> str:
     return f"{_TOP_LEVEL_NAMES[module]}.{param}"
 
 
-@dataclass(frozen=True)
-class GroupQuant:
-    """A quantized [rows, cols] weight: value = scale * code + offset, per group of 32 columns.
-
-    codes: int8 (Q8_0, codes -127..127) or uint8 (Q4_0/Q4_1, codes 0..15), [rows, cols];
-    scale and offset: float32, [rows, cols // 32]; offset is None for Q8_0 (symmetric).
-    """
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    offset: torch.Tensor | None
-
-    GROUP = 32
-
-    def dequantize(self) -> torch.Tensor:
-        rows, cols = self.codes.shape
-        w = self.codes.view(rows, -1, self.GROUP).float() * self.scale[..., None]
-        if self.offset is not None:
-            w += self.offset[..., None]
-        return w.view(rows, cols)
-
-
 def unpack(blocks: torch.Tensor, qtype: QType) -> GroupQuant:
     """Unpack the raw blocks of a Q8_0, Q4_0 or Q4_1 tensor, [rows, bytes per row] uint8."""
     rows = blocks.shape[0]
@@ -115,10 +97,14 @@ def unpack(blocks: torch.Tensor, qtype: QType) -> GroupQuant:
     return GroupQuant(codes, d, offset)
 
 
+def _shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
+    return tuple(reversed([int(n) for n in tensor.shape]))  # torch's dim order
+
+
 def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
     """A GGUF tensor as float32 (or its float type), in torch's dim order."""
     qtype = tensor.tensor_type
-    shape = tuple(reversed([int(n) for n in tensor.shape]))
+    shape = _shape(tensor)
     data = torch.from_numpy(tensor.data)
     if qtype in (QType.F32, QType.F16):
         return data.view(shape)
@@ -220,9 +206,13 @@ def load_gguf(
     dtype: str = "auto",
     device: str | torch.device = "cpu",
     parallel: TensorParallel | None = None,
+    quantize: str | None = None,
+    group_size: int = 32,
 ) -> tuple[Decoder, Tokenizer]:
-    """The decoder and tokenizer of a GGUF file."""
+    """The decoder and tokenizer of a GGUF file. quantize (see load_decoder) applies to the
+    weights that are float after load."""
     path = Path(path)
+    quantize_fn = quantizer(quantize, group_size)
     # Copy-on-write: tensors view the mapped file without a copy and are never written back.
     reader = _Reader(path, "c")
     cfg = read_config(reader)
@@ -231,17 +221,23 @@ def load_gguf(
     expected = {gguf_name(n): (n, shape) for n, shape in expected_shapes(cfg).items()}
     check_names(set(expected), {t.name for t in reader.tensors}, path)
     permuted = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
-    weights = {}
+    weights: dict[str, Weight] = {}
     for tensor in reader.tensors:
         hf_name, shape = expected[tensor.name]
-        w = dequantize(tensor)
-        check_shape(tensor.name, tuple(w.shape), shape)
+        check_shape(tensor.name, _shape(tensor), shape)
+        if tensor.tensor_type in INT4_TYPES:
+            w = unpack(torch.from_numpy(tensor.data), tensor.tensor_type).map_rows(
+                lambda t: t.to(dev)
+            )
+        else:
+            w = dequantize(tensor).to(device=dev, dtype=run_dtype)
         if cfg.architecture == "LlamaForCausalLM" and (
             heads := permuted.get(tensor.name.split(".")[-2])
         ):
-            w = unpermute_rope_rows(w, heads)
-        weights[hf_name] = w.to(device=dev, dtype=run_dtype)
-    decoder = build_decoder(cfg, weights, select(dev, run_dtype), parallel)
+            unpermute = functools.partial(unpermute_rope_rows, num_heads=heads)
+            w = w.map_rows(unpermute) if isinstance(w, GroupQuant) else unpermute(w)
+        weights[hf_name] = w
+    decoder = build_decoder(cfg, weights, select(dev, run_dtype), quantize_fn, parallel)
     return decoder, tokenizer_from_gguf(reader)
 
 

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from gapless.kernels import Kernels, resolve_dtype, select, tune_allocator
+from gapless.kernels import Kernels, Linear, resolve_dtype, select, tune_allocator
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder, Layer
 from gapless.model.parallel import TensorParallel, shard_config, shard_weights
+from gapless.model.quantize import GroupQuant, quantizer
 
 
 class WeightError(ValueError):
@@ -119,31 +121,57 @@ def load_decoder(
     dtype: str = "auto",
     device: str | torch.device = "cpu",
     parallel: TensorParallel | None = None,
+    quantize: str | None = None,
+    group_size: int = 32,
 ) -> Decoder:
+    """quantize: None, "int8" or "int4" (with group_size): the linears' weights (lm_head
+    too), quantized round-to-nearest at load; embeddings and norms stay in dtype."""
     path = Path(path)
+    quantize_fn = quantizer(quantize, group_size)
     cfg = ModelConfig.from_pretrained(path)
     dev = torch.device(device)
     dt = resolve_dtype(dtype, dev)
-    return build_decoder(cfg, load_weights(path, cfg, dt, dev), select(dev, dt), parallel)
+    weights = load_weights(path, cfg, dt, dev)
+    return build_decoder(cfg, weights, select(dev, dt), quantize_fn, parallel)
+
+
+Weight = torch.Tensor | GroupQuant
 
 
 def build_decoder(
     cfg: ModelConfig,
-    w: dict[str, torch.Tensor],
+    w: dict[str, Weight],
     kernels: Kernels,
+    quantize: Callable[[torch.Tensor], GroupQuant] | None = None,
     parallel: TensorParallel | None = None,
 ) -> Decoder:
-    """A Decoder from checked weights under Hugging Face names (the dict is consumed); with
-    `parallel`, of this rank's shard (cut from the float weights, before any linear is built)."""
+    """A Decoder from checked weights under Hugging Face names (the dict is consumed).
+
+    Weights already quantized (from a GGUF file) run as they are; quantize, if given, turns
+    the float weights of the linears into quantized ones. With `parallel`, of this rank's
+    shard, cut before any linear is built; a GGUF file's quantized tensors are dequantized
+    first (they are not sharded as they are).
+    """
     tune_allocator()
     if parallel is not None:
+        w = {
+            n: t.dequantize(kernels.dtype) if isinstance(t, GroupQuant) else t for n, t in w.items()
+        }
         w = shard_weights(cfg, w, parallel.rank, parallel.size)
         cfg = shard_config(cfg, parallel.size)
 
-    def cat(*names: str) -> torch.Tensor | None:
+    def linear(weight: Weight, bias: torch.Tensor | None = None) -> Linear:
+        if quantize is not None and isinstance(weight, torch.Tensor):
+            weight = quantize(weight)
+        return kernels.linear(weight, bias)
+
+    def cat(*names: str) -> Weight | None:
         if names[0] not in w:
             return None
-        return torch.cat([w.pop(n) for n in names])
+        parts = [w.pop(n) for n in names]
+        if isinstance(parts[0], GroupQuant):
+            return GroupQuant.cat(parts)
+        return torch.cat(parts)
 
     layers = []
     for i in range(cfg.num_layers):
@@ -152,23 +180,22 @@ def build_decoder(
         layers.append(
             Layer(
                 input_norm=w.pop(p + "input_layernorm.weight"),
-                qkv=kernels.linear(
+                qkv=linear(
                     cat(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
                     cat(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
                 ),
-                o=kernels.linear(w.pop(attn + "o_proj.weight"), w.pop(attn + "o_proj.bias", None)),
+                o=linear(w.pop(attn + "o_proj.weight"), w.pop(attn + "o_proj.bias", None)),
                 q_norm=w.pop(attn + "q_norm.weight", None),
                 k_norm=w.pop(attn + "k_norm.weight", None),
                 post_norm=w.pop(p + "post_attention_layernorm.weight"),
-                gate=kernels.linear(
-                    w.pop(mlp + "gate_proj.weight"), w.pop(mlp + "gate_proj.bias", None)
-                ),
-                up=kernels.linear(w.pop(mlp + "up_proj.weight"), w.pop(mlp + "up_proj.bias", None)),
-                down=kernels.linear(
-                    w.pop(mlp + "down_proj.weight"), w.pop(mlp + "down_proj.bias", None)
-                ),
+                gate=linear(w.pop(mlp + "gate_proj.weight"), w.pop(mlp + "gate_proj.bias", None)),
+                up=linear(w.pop(mlp + "up_proj.weight"), w.pop(mlp + "up_proj.bias", None)),
+                down=linear(w.pop(mlp + "down_proj.weight"), w.pop(mlp + "down_proj.bias", None)),
             )
         )
     embed = w.pop("model.embed_tokens.weight")
-    lm_head = kernels.linear(embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
+    # A tied lm_head that is quantized gets its own quantized copy of the embeddings.
+    lm_head = linear(embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
+    if isinstance(embed, GroupQuant):
+        embed = embed.dequantize(kernels.dtype)
     return Decoder(cfg, embed, layers, w.pop("model.norm.weight"), lm_head, kernels, parallel)

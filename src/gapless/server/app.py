@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gapless.engine.engine import Engine
-from gapless.server import openai, protocol
+from gapless.server import anthropic, ollama, openai, protocol
 from gapless.server.endpoint import (
     ServerSettings,
     ServerState,
@@ -42,7 +42,7 @@ log = logging.getLogger("gapless.server")
 FAILED_LINGER_S = 2.0
 
 # One module per API dialect: its ROUTES, and its error_body for every error on them.
-DIALECTS = (openai,)
+DIALECTS = (openai, anthropic, ollama)
 
 
 def build_app(state: ServerState) -> Starlette:

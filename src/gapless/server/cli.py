@@ -12,12 +12,21 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gapless.engine.engine import EngineConfig
 
 log = logging.getLogger("gapless.server")
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-# As gapless.model.loader.DTYPES; not imported so that `gapless --help` needs no torch.
+# As gapless.kernels.DTYPES and gapless.model.quantize's choices; not imported so that
+# `gapless --help` needs no torch.
 DTYPES = ("float32", "bfloat16", "float16")
+# As gapless.server.tool_calls.PARSERS, for the same reason.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+QUANTIZE_CHOICES = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -43,6 +52,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="auto: bfloat16 on CUDA and bf16-capable CPUs, else float32",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument(
+        "--quantize",
+        choices=QUANTIZE_CHOICES,
+        default=None,
+        help="quantize the linears' float weights at load, round-to-nearest: int8 (a scale "
+        "per row) or int4 (a scale and offset per group); embeddings and norms stay in "
+        "--dtype. A GGUF file's Q4_0/Q4_1 weights run as int4 without this flag",
+    )
+    p.add_argument(
+        "--quantize-group-size",
+        type=int,
+        choices=INT4_GROUP_SIZES,
+        default=32,
+        help="int4: columns per scale and offset (%(default)s)",
+    )
     p.add_argument(
         "--prefill-chunk",
         type=int,
@@ -94,7 +118,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument(
         "--api-key",
-        help="require `Authorization: Bearer KEY` on /v1 (default: $GAPLESS_API_KEY if set)",
+        help="require `Authorization: Bearer KEY` or `x-api-key: KEY` on every API endpoint "
+        "(default: $GAPLESS_API_KEY if set)",
     )
     p.add_argument(
         "--max-queue", type=int, help="waiting requests beyond this get 503 (default: no limit)"
@@ -137,6 +162,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="request body size limit in MiB (%(default)s)",
     )
     p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        help="how the model writes tool calls (default: recognised from its chat template)",
+    )
+    p.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,
@@ -170,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from gapless.engine import distributed
-    from gapless.engine.engine import Engine, EngineConfig
+    from gapless.engine.engine import Engine
     from gapless.model.gguf import is_gguf, model_name
     from gapless.server.app import GaplessServer, ServerSettings
 
@@ -188,23 +218,7 @@ def _serve(args: argparse.Namespace) -> int:
         name = args.served_model_name or model_name(model_dir)
 
     try:
-        config = EngineConfig(
-            dtype=args.dtype,
-            device=args.device,
-            kv_cache_tokens=args.kv_cache_tokens,
-            kv_memory_gib=args.kv_memory,
-            max_num_seqs=args.max_num_seqs,
-            prefill_chunk=args.prefill_chunk,
-            idle_prefill_chunk=args.idle_prefill_chunk,
-            chunked_prefill=args.chunked_prefill,
-            enable_prefix_cache=args.enable_prefix_cache,
-            prefill_policy=args.prefill_policy,
-            max_model_len=args.max_model_len,
-            target_itl_ms=args.target_itl_ms,
-            max_queue=args.max_queue,
-            num_threads=args.threads,
-            tensor_parallel_size=args.tensor_parallel_size,
-        )
+        config = engine_config(args)
         launch = distributed.Launch(
             nnodes=args.nnodes,
             node_rank=args.node_rank,
@@ -231,6 +245,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("GAPLESS_API_KEY") or None,
         max_body_bytes=int(args.max_body_mb * 2**20),
         shutdown_grace_s=args.shutdown_grace,
+        tool_call_parser=args.tool_call_parser,
     )
     log.info(
         "serving %r from %s: context %d tokens, %d KV blocks of %d tokens",
@@ -242,6 +257,32 @@ def _serve(args: argparse.Namespace) -> int:
     )
     server = GaplessServer(engine, settings, args.host, args.port, args.log_level)
     return server.run()
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's configuration from `gapless serve` flags (also used by
+    `gapless bench --engine-only`). Raises ValueError for a bad combination."""
+    from gapless.engine.engine import EngineConfig
+
+    return EngineConfig(
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_memory_gib=args.kv_memory,
+        max_num_seqs=args.max_num_seqs,
+        prefill_chunk=args.prefill_chunk,
+        idle_prefill_chunk=args.idle_prefill_chunk,
+        chunked_prefill=args.chunked_prefill,
+        enable_prefix_cache=args.enable_prefix_cache,
+        prefill_policy=args.prefill_policy,
+        max_model_len=args.max_model_len,
+        target_itl_ms=args.target_itl_ms,
+        max_queue=args.max_queue,
+        num_threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
+        quantize=args.quantize,
+        quantize_group_size=args.quantize_group_size,
+    )
 
 
 def _default_model(served_name: str | None) -> tuple[Path, str]:

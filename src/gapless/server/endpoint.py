@@ -45,6 +45,8 @@ class ServerSettings:
     max_body_bytes: int = 16 * 2**20
     # On SIGTERM, in-flight requests get this long to finish before they are cancelled.
     shutdown_grace_s: float = 30.0
+    # How tool calls are read out of the output (tool_calls.PARSERS); None: from the template.
+    tool_call_parser: str | None = None
 
 
 class ServerState:
@@ -100,6 +102,7 @@ class Renderer:
 
     def __init__(self) -> None:
         self.text: list[str] = []
+        self.finishes: list[FinishedEvent] = []  # one per choice of a request for n
 
     def error_body(self, error: APIError) -> dict[str, Any]:
         raise NotImplementedError
@@ -126,6 +129,9 @@ class Renderer:
     def absorb(self, event: TokenEvent) -> None:
         self.text.append(event.text)
 
+    def absorb_finished(self, event: FinishedEvent) -> None:
+        self.finishes.append(event)
+
     def response(self, finished: FinishedEvent) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -142,9 +148,11 @@ async def _stream_body(
             elif isinstance(event, TokenEvent):
                 pieces = renderer.token(event)
             elif event.finish_reason == "error":
-                pieces = renderer.failed(
-                    protocol.server_error(event.error or "the request failed in the engine")
-                )
+                # The whole request fails: closing the events cancels its other choices.
+                error = protocol.server_error(event.error or "the request failed in the engine")
+                for piece in renderer.failed(error):
+                    yield piece
+                return
             else:
                 pieces = renderer.finished(event)
             for piece in pieces:
@@ -158,17 +166,18 @@ async def _stream_body(
 
 
 async def _json_body(renderer: Renderer, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    """The response once every choice has finished (the events end after the last)."""
     try:
-        event = await anext(events)
-        while not isinstance(event, FinishedEvent):
+        async for event in events:
             if isinstance(event, TokenEvent):
                 renderer.absorb(event)
-            event = await anext(events)
+            elif isinstance(event, FinishedEvent):
+                if event.finish_reason == "error":
+                    raise protocol.server_error(event.error or "the request failed in the engine")
+                renderer.absorb_finished(event)
     finally:
         await events.aclose()
-    if event.finish_reason == "error":
-        raise protocol.server_error(event.error or "the request failed in the engine")
-    yield json.dumps(renderer.response(event), ensure_ascii=False).encode()
+    yield json.dumps(renderer.response(renderer.finishes[-1]), ensure_ascii=False).encode()
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:

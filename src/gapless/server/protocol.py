@@ -8,6 +8,7 @@ Fields a dialect does not know are ignored, since clients send extras.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -39,6 +40,13 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+
+    def message_naming_param(self) -> str:
+        """The message, led by the field it is about unless it names it already: for the
+        error shapes that have no `param`."""
+        if self.param is None or self.param in self.message:
+            return self.message
+        return f"{self.param}: {self.message}"
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -157,6 +165,56 @@ def number_fields(
     return fields
 
 
+def chat_messages(body: dict[str, Any], roles: tuple[str, ...]) -> list[dict[str, Any]]:
+    """`messages`: a non-empty list of objects, each with one of `roles`."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list of messages", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise invalid("each message must be an object", f"messages[{i}]")
+        role = message.get("role")
+        if role not in roles:
+            raise invalid(
+                f"unknown role {role!r}; expected one of {', '.join(roles)}",
+                f"messages[{i}].role",
+            )
+    return messages
+
+
+def text_content(content: Any, param: str) -> str | None:
+    """A message's text: a string, or a list of text parts ({"type": "text", "text": ...}),
+    the shape OpenAI content parts and Anthropic text blocks share; None passes through."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise invalid("only text content parts are supported", param)
+            if not isinstance(part.get("text"), str):
+                raise invalid("a text content part needs a string `text`", param)
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise invalid("content must be a string or a list of content parts", param)
+
+
+def check_model(model: Any, served: str) -> None:
+    """A request's `model` must name the served model; a missing one is allowed: one model
+    is served, so there is nothing to choose."""
+    if model is None or model == served:
+        return
+    if not isinstance(model, str):
+        raise invalid("model must be a string", "model")
+    raise APIError(
+        404,
+        f"the model {model!r} does not exist; this server serves {served!r}",
+        "not_found_error",
+        "model",
+        "model_not_found",
+    )
+
+
 # -- prompts and limits --------------------------------------------------------------------
 
 
@@ -201,6 +259,42 @@ def encode_chat(
     return prompt_ids
 
 
+def template_message(message: dict[str, Any], param: str) -> dict[str, Any]:
+    """A chat message in the shape chat templates are written for (transformers documents
+    it): tool-call arguments as an object, not the JSON string the OpenAI API sends, and
+    content a string even where the API allows null (an assistant turn that only calls
+    tools), since many templates concatenate it. Other fields pass through."""
+    out = dict(message)
+    if out.get("content") is None:
+        out["content"] = ""
+    calls = out.get("tool_calls")
+    if calls is None:
+        return out
+    if not isinstance(calls, list):
+        raise invalid("tool_calls must be a list", f"{param}.tool_calls")
+    out["tool_calls"] = [
+        _template_tool_call(call, f"{param}.tool_calls[{i}]") for i, call in enumerate(calls)
+    ]
+    return out
+
+
+def _template_tool_call(call: Any, param: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise invalid("a tool call needs a `function` with a string `name`", param)
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise invalid(
+                f"tool call arguments are not valid JSON: {e}", f"{param}.function.arguments"
+            ) from e
+    if not isinstance(arguments, dict):
+        raise invalid("tool call arguments must be a JSON object", f"{param}.function.arguments")
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def max_tokens(
     requested: int | None, param: str, prompt_len: int, prompt_param: str, max_model_len: int
 ) -> int:
@@ -230,12 +324,13 @@ def max_tokens(
 
 
 def sampling_params(fields: dict[str, Any], rename: dict[str, str] | None = None) -> SamplingParams:
-    """SamplingParams from validated fields; its own range checks name the request's field."""
+    """SamplingParams from validated fields; its range checks name the request's field,
+    `rename` mapping field names to the request's names for them."""
     try:
         return SamplingParams(**fields)
     except SamplingParamsError as e:
         param = (rename or {}).get(e.param, e.param)
-        raise invalid(str(e), param) from e
+        raise invalid(str(e).replace(e.param, param, 1), param) from e
 
 
 def now() -> int:

@@ -1,0 +1,365 @@
+"""The Anthropic Messages dialect: POST /v1/messages and /v1/messages/count_tokens.
+
+A request (system, messages of text / tool_use / tool_result blocks, tools) becomes the
+chat-template conversation transformers' apply_chat_template takes; engine events become a
+message object, or its named SSE events in Anthropic's order; errors are
+{"type": "error", "error": {"type", "message"}}.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
+from gapless.engine.sampling_params import SamplingParams
+from gapless.engine.structured import GrammarCompiler
+from gapless.model.tokenizer import Tokenizer
+from gapless.server import protocol, tool_calls
+from gapless.server.endpoint import (
+    Renderer,
+    ServerState,
+    generate,
+    new_request_id,
+    progress_comment,
+    read_json,
+    sse,
+)
+from gapless.server.protocol import APIError, bool_field, int_field, invalid
+from gapless.server.structured_output import checked_schema_grammar
+from gapless.server.tool_calls import ToolCall, ToolCallStream, ToolRequest
+
+# Anthropic's error types where ours differ in name.
+_ERROR_TYPES = {"server_error": "api_error"}
+
+
+def error_body(error: APIError) -> dict[str, Any]:
+    kind = "request_too_large" if error.status == 413 else error.type
+    return {
+        "type": "error",
+        "error": {"type": _ERROR_TYPES.get(kind, kind), "message": error.message_naming_param()},
+    }
+
+
+# -- requests ------------------------------------------------------------------------------
+
+
+@dataclass
+class ParsedMessages:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    tools: ToolRequest | None = None
+    tool_parser: str | None = None  # how calls are read out of the output, if not forced
+
+
+def _tool_call(block: dict[str, Any], param: str) -> dict[str, Any]:
+    name, arguments = block.get("name"), block.get("input")
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        raise invalid("a tool_use block needs a string `name` and an object `input`", param)
+    call_id = block.get("id")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _turn(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
+    """One Anthropic message as template messages: its tool_result blocks become `tool`
+    messages (answering the previous assistant turn, so they come first), its text and
+    tool_use blocks one user or assistant message."""
+    param, role = f"messages[{index}]", message["role"]
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise invalid("content must be a string or a list of content blocks", f"{param}.content")
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        where = f"{param}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_call(block, where))
+        elif kind == "tool_result" and role == "user":
+            result = protocol.text_content(block.get("content", ""), f"{where}.content")
+            results.append(
+                {"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result}
+            )
+        else:
+            raise invalid(
+                f"unsupported content block {kind!r} in a {role} message; text, tool_use "
+                "(assistant) and tool_result (user) are",
+                where,
+            )
+    turn: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+    if calls:
+        turn["tool_calls"] = calls
+    return results + [turn] if texts or calls or not results else results
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Anthropic tool definitions as the function schemas chat templates render."""
+    tools = protocol.list_field(body, "tools")
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if (
+            not isinstance(tool, dict)
+            or not isinstance(tool.get("name"), str)
+            or not isinstance(tool.get("input_schema"), dict)
+        ):
+            raise invalid(
+                "a tool needs a string `name` and an object `input_schema`", f"tools[{i}]"
+            )
+        function = {"name": tool["name"], "parameters": tool["input_schema"]}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+# Anthropic's tool_choice types -> OpenAI's tool_choice (`tool` names one function).
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def tool_request(body: dict[str, Any]) -> ToolRequest | None:
+    """`tools` and `tool_choice`, checked as the OpenAI endpoint checks its own."""
+    tools = _tools(body)
+    if tools is None:
+        return None
+    choice = protocol.dict_field(body, "tool_choice") or {"type": "auto"}
+    kind = choice.get("type")
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        mapped: Any = {"type": "function", "function": {"name": choice["name"]}}
+    elif kind in _TOOL_CHOICES:
+        mapped = _TOOL_CHOICES[kind]
+    else:
+        raise invalid("tool_choice must be auto, any, none, or a tool with its name", "tool_choice")
+    parallel = not bool_field(choice, "disable_parallel_tool_use")
+    openai_shaped = {"tools": tools, "tool_choice": mapped, "parallel_tool_calls": parallel}
+    return tool_calls.parse_tools(openai_shaped)
+
+
+def prompt_ids_of(
+    body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int, tools: ToolRequest | None
+) -> list[int]:
+    """The prompt of `system`, `messages` and the tools offered, through the chat template."""
+    messages = protocol.chat_messages(body, ("user", "assistant"))
+    conversation = []
+    system = protocol.text_content(body.get("system"), "system")
+    if system:
+        conversation.append({"role": "system", "content": system})
+    for i, message in enumerate(messages):
+        conversation += _turn(message, i)
+    offered = {"tools": tools.tools if tools is not None and tools.tools else None}
+    return protocol.encode_chat(tokenizer, conversation, max_model_len, "messages", offered)
+
+
+def parse_messages(
+    body: dict[str, Any],
+    tokenizer: Tokenizer,
+    max_model_len: int,
+    grammars: GrammarCompiler,
+    configured_parser: str | None,
+) -> ParsedMessages:
+    requested = int_field(body, "max_tokens")
+    if requested is None:
+        raise invalid("max_tokens is required", "max_tokens")
+    if requested < 1:
+        raise invalid(f"max_tokens must be at least 1, got {requested}", "max_tokens")
+    tools = tool_request(body)
+    prompt_ids = prompt_ids_of(body, tokenizer, max_model_len, tools)
+    fields = protocol.number_fields(
+        body,
+        floats={"temperature": "temperature", "top_p": "top_p"},
+        ints={"top_k": "top_k"},
+    )
+    fields.update(
+        max_tokens=protocol.max_tokens(
+            requested, "max_tokens", len(prompt_ids), "messages", max_model_len
+        ),
+        stop=protocol.stop_field(body, "stop_sequences"),
+    )
+    parser = None
+    if tools is not None and tools.forced:
+        # The call is generated under its schema's grammar, so it is always valid.
+        schema = tool_calls.forced_calls_schema(tools)
+        fields["grammar"] = checked_schema_grammar(schema, grammars, "tools")
+    elif tools is not None and tools.tools:
+        parser = tool_calls.choose_parser(tokenizer.chat_template, configured_parser)
+        # Tool-call markers such as [TOOL_CALLS] are often special tokens: keep their text.
+        fields["skip_special_tokens"] = False
+    params = protocol.sampling_params(fields, {"stop": "stop_sequences"})
+    return ParsedMessages(prompt_ids, params, bool(bool_field(body, "stream")), tools, parser)
+
+
+# -- rendering engine events ---------------------------------------------------------------
+
+
+def _stop_reason(finished: FinishedEvent, calls: list[ToolCall]) -> str:
+    if calls and finished.finish_reason == "stop":
+        return "tool_use"
+    if finished.finish_reason == "length":
+        return "max_tokens"
+    if finished.stop_string is not None:
+        return "stop_sequence"
+    # gapless's own "cancelled" passes through, as on the OpenAI endpoints.
+    return "end_turn" if finished.finish_reason == "stop" else finished.finish_reason
+
+
+def _usage(finished: FinishedEvent) -> dict[str, Any]:
+    # Anthropic counts prompt tokens read from the cache apart from input_tokens.
+    return {
+        "input_tokens": finished.prompt_tokens - finished.cached_prompt_tokens,
+        "cache_read_input_tokens": finished.cached_prompt_tokens,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": finished.completion_tokens,
+    }
+
+
+class _MessageRenderer(Renderer):
+    def __init__(self, state: ServerState, parsed: ParsedMessages, request_id: str) -> None:
+        super().__init__()
+        self.id = f"msg_{request_id}"
+        self.model = state.settings.served_model_name
+        self.input_tokens = len(parsed.prompt_ids)
+        tools = parsed.tools
+        self.tool_stream = None
+        if tools is not None and (tools.forced or parsed.tool_parser):
+            self.tool_stream = ToolCallStream(parsed.tool_parser, tools.forced, tools.parallel)
+
+    def text_of(self, event: TokenEvent) -> str:
+        """The event's text that is content: a tool call's text is held back."""
+        return self.tool_stream.feed(event.text) if self.tool_stream else event.text
+
+    def rest(self) -> tuple[str, list[ToolCall]]:
+        """At the end: held text that was not a call after all, and the calls."""
+        return self.tool_stream.finish() if self.tool_stream else ("", [])
+
+    def error_body(self, error: APIError) -> dict[str, Any]:
+        return error_body(error)
+
+    def message(self, content: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": usage,
+        }
+
+    @staticmethod
+    def event(data: dict[str, Any]) -> bytes:
+        return sse(data, event=data["type"])
+
+    def opening(self) -> list[bytes]:
+        usage = {"input_tokens": self.input_tokens, "output_tokens": 0}
+        block = {"type": "text", "text": ""}
+        return [
+            self.event({"type": "message_start", "message": self.message([], usage)}),
+            self.event({"type": "content_block_start", "index": 0, "content_block": block}),
+        ]
+
+    def progress(self, event: ProgressEvent) -> list[bytes]:
+        return [progress_comment(event)]
+
+    def text_delta(self, text: str) -> list[bytes]:
+        if not text:  # text held back (half a character, a possible stop sequence, a call)
+            return []
+        delta = {"type": "text_delta", "text": text}
+        return [self.event({"type": "content_block_delta", "index": 0, "delta": delta})]
+
+    def token(self, event: TokenEvent) -> list[bytes]:
+        return self.text_delta(self.text_of(event))
+
+    def finished(self, event: FinishedEvent) -> list[bytes]:
+        rest, calls = self.rest()
+        pieces = [*self.text_delta(rest), self.event({"type": "content_block_stop", "index": 0})]
+        # Each call is one tool_use block after the text, its input sent whole.
+        for index, call in enumerate(calls, 1):
+            block = {**_tool_use(call), "input": {}}
+            json_delta = {"type": "input_json_delta", "partial_json": call.arguments}
+            pieces += [
+                self.event({"type": "content_block_start", "index": index, "content_block": block}),
+                self.event({"type": "content_block_delta", "index": index, "delta": json_delta}),
+                self.event({"type": "content_block_stop", "index": index}),
+            ]
+        delta = {"stop_reason": _stop_reason(event, calls), "stop_sequence": event.stop_string}
+        return [
+            *pieces,
+            self.event({"type": "message_delta", "delta": delta, "usage": _usage(event)}),
+            self.event({"type": "message_stop"}),
+        ]
+
+    def failed(self, error: APIError) -> list[bytes]:
+        return [sse(error_body(error), event="error")]
+
+    def absorb(self, event: TokenEvent) -> None:
+        self.text.append(self.text_of(event))
+
+    def response(self, finished: FinishedEvent) -> dict[str, Any]:
+        rest, calls = self.rest()
+        text = "".join(self.text) + rest
+        content = [{"type": "text", "text": text}] if text or not calls else []
+        content += [_tool_use(call) for call in calls]
+        out = self.message(content, _usage(finished))
+        out.update(stop_reason=_stop_reason(finished, calls), stop_sequence=finished.stop_string)
+        return out
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    tool_id = f"toolu_{call.id.removeprefix('call_')}"
+    return {
+        "type": "tool_use",
+        "id": tool_id,
+        "name": call.name,
+        "input": json.loads(call.arguments),
+    }
+
+
+# -- endpoint -------------------------------------------------------------------------------
+
+
+async def messages(state: ServerState, request: Request) -> Response:
+    body = await read_json(state, request)
+    protocol.check_model(body.get("model"), state.settings.served_model_name)
+    # Chat templating and tokenizing a long prompt take a while: keep the event loop free.
+    engine = state.engine
+    parsed = await anyio.to_thread.run_sync(
+        parse_messages,
+        body,
+        engine.tokenizer,
+        engine.max_model_len,
+        engine.grammars,
+        state.settings.tool_call_parser,
+    )
+    request_id = new_request_id()
+    renderer = _MessageRenderer(state, parsed, request_id)
+    return generate(
+        state, parsed.prompt_ids, parsed.params, renderer, parsed.stream, request_id, "messages"
+    )
+
+
+async def count_tokens(state: ServerState, request: Request) -> Response:
+    body = await read_json(state, request)
+    protocol.check_model(body.get("model"), state.settings.served_model_name)
+    prompt_ids = await anyio.to_thread.run_sync(
+        prompt_ids_of, body, state.engine.tokenizer, state.engine.max_model_len, tool_request(body)
+    )
+    return JSONResponse({"input_tokens": len(prompt_ids)})
+
+
+ROUTES = [
+    ("POST", "/v1/messages", messages),
+    ("POST", "/v1/messages/count_tokens", count_tokens),
+]
