@@ -140,7 +140,9 @@ def test_a_failed_rank_ends_streams_with_an_error_then_503_then_exit(checkpoint,
 
 # -- two hosts: one rank in each of two network namespaces -----------------------------------
 
-NAMESPACES = ("gapless-tp-a", "gapless-tp-b")
+# Named by this process, so that runs side by side (CI, other worktrees) never share them.
+NAMESPACES = (f"gapless-tp-{os.getpid()}-a", f"gapless-tp-{os.getpid()}-b")
+VETHS = (f"gtp{os.getpid()}a", f"gtp{os.getpid()}b")
 ADDRESSES = ("10.231.7.1", "10.231.7.2")
 
 
@@ -153,34 +155,41 @@ def two_hosts() -> Iterator[None]:
     """Two network namespaces joined by a veth pair; skips the test if they can't be made."""
     if shutil.which("ip") is None:
         pytest.skip("no `ip` command to make network namespaces with")
-    a, b = NAMESPACES
     try:
-        _ip("netns", "add", a)
-        _ip("netns", "add", b)
-        _ip("link", "add", f"{a[-1]}veth", "type", "veth", "peer", "name", f"{b[-1]}veth")
-        for ns, addr in zip(NAMESPACES, ADDRESSES, strict=True):
-            dev = f"{ns[-1]}veth"
+        for ns in NAMESPACES:
+            _ip("netns", "add", ns)
+        _ip("link", "add", VETHS[0], "type", "veth", "peer", "name", VETHS[1])
+        for ns, dev, addr in zip(NAMESPACES, VETHS, ADDRESSES, strict=True):
             _ip("link", "set", dev, "netns", ns)
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
     except subprocess.CalledProcessError as e:
-        for ns in NAMESPACES:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        _remove(NAMESPACES)
         pytest.skip(f"cannot make network namespaces: {e.stderr.strip()}")
     try:
         yield
     finally:
-        for ns in NAMESPACES:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        _remove(NAMESPACES)
 
 
-def test_two_hosts_serve_one_ranks_tokens_and_stop_together(checkpoint):
+def _remove(namespaces: tuple[str, ...]) -> None:
+    """Deleting a namespace deletes its end of the veth pair, and so the pair."""
+    for ns in namespaces:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_two_hosts_serve_one_ranks_tokens_and_stop_together(checkpoint, tmp_path):
     path = checkpoint("qwen2")
     ids = prompt(12)
     expected = LLM(path, dtype="float32").generate([ids], GREEDY)[0].text
     port = 8131
-    with two_hosts():
+    with (
+        two_hosts(),
+        (tmp_path / "rank0.log").open("w+b") as log0,
+        (tmp_path / "rank1.log").open("w+b") as log1,
+    ):
+        logs = [log0, log1]
         ranks = []
         for node, ns in enumerate(NAMESPACES):
             cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "gapless.cli", "serve"]
@@ -189,12 +198,12 @@ def test_two_hosts_serve_one_ranks_tokens_and_stop_together(checkpoint):
             cmd += ["--master-addr", ADDRESSES[0], "--master-port", "29531"]
             cmd += ["--port", str(port), "--log-level", "warning"]
             # gloo picks its interface by the host's name, which means nothing in here.
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": f"{ns[-1]}veth"}
-            ranks.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": VETHS[node]}
+            ranks.append(subprocess.Popen(cmd, env=env, stderr=logs[node]))
         try:
             ask = (
                 "import httpx, json, sys, time\n"
-                "for _ in range(600):\n"
+                "for _ in range(300):\n"
                 "    try:\n"
                 f"        r = httpx.post('http://127.0.0.1:{port}/v1/completions', json=json.loads(sys.argv[1]), timeout=60)\n"
                 "        break\n"
@@ -207,7 +216,8 @@ def test_two_hosts_serve_one_ranks_tokens_and_stop_together(checkpoint):
             answer = subprocess.run(
                 [*client, json.dumps(body)], capture_output=True, text=True, timeout=120
             )
-            assert answer.stdout == expected, answer.stderr
+            logs[0].seek(0)
+            assert answer.stdout == expected, answer.stderr + logs[0].read().decode()
             ranks[0].send_signal(signal.SIGTERM)
             assert [rank.wait(timeout=30) for rank in ranks] == [0, 0]
         finally:
