@@ -55,6 +55,18 @@ def test_bf16_without_fast_support_runs_on_the_fallback_and_warns(checkpoint, ca
     assert len(out[0].token_ids) == 8
 
 
+def test_bf16_warns_when_onednn_is_capped_below_the_cpu(caplog, monkeypatch):
+    # A CPU with AVX512-BF16 under ONEDNN_MAX_CPU_ISA=AVX2: the flags say fast, oneDNN refuses.
+    isa = ("avx2", "avx512", "avx512-bf16")
+    monkeypatch.setattr(kernels, "machine", lambda: Machine("Zen 4", isa, "AVX2", None))
+    monkeypatch.setattr(kernels, "packed_linear_works", lambda dtype: dtype == torch.float32)
+    assert kernels.resolve_dtype("auto", CPU) == torch.float32
+    with caplog.at_level(logging.INFO, "gapless.kernels"):
+        chosen = kernels.select(CPU, torch.bfloat16)
+    assert not chosen.packed_linear
+    assert "bfloat16 is slow on this CPU" in caplog.text
+
+
 @pytest.mark.skipif(
     not packed_linear_works(torch.bfloat16), reason="oneDNN cannot pack bf16 on this CPU"
 )

@@ -349,7 +349,8 @@ def add_roofline_parser(sub: argparse._SubParsersAction) -> None:
 def format_report(r: dict) -> str:
     peaks, model = r["peaks"], r["model"]
     lines = [
-        f"cpu {r['cpu']['name']} ({' '.join(r['cpu']['isa']) or 'no avx2'})",
+        f"cpu {r['cpu']['name']} ({' '.join(r['cpu']['isa']) or 'no avx2'}),"
+        f" torch kernels {r['cpu']['torch_capability']}",
         r["kernels"],
         f"model {r['model_dir']}  dtype {r['dtype']}  threads {r['threads']}",
         "peaks: "
@@ -433,7 +434,12 @@ def roofline_main(args: argparse.Namespace) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
     result = {
         "model_dir": str(args.model_dir),
-        "cpu": {"name": cpu.cpu_name, "isa": list(cpu.cpu_isa)},
+        # torch's own kernels may be capped below the CPU's flags (ATEN_CPU_CAPABILITY).
+        "cpu": {
+            "name": cpu.cpu_name,
+            "isa": list(cpu.cpu_isa),
+            "torch_capability": cpu.torch_cpu_capability,
+        },
         "kernels": chosen,
         "dtype": dtype_name,
         "threads": threads,

@@ -124,6 +124,12 @@ def _forced_fallback() -> bool:
     return choice == "fallback"
 
 
+def _fast_cpu_half(dtype: torch.dtype) -> bool:
+    """The CPU has the instructions, and oneDNN packs this dtype: it may be capped below
+    what the CPU has (ONEDNN_MAX_CPU_ISA), and then refuses."""
+    return machine().fast_cpu_bf16 and packed_linear_works(dtype)
+
+
 def select(device: torch.device, dtype: torch.dtype) -> Kernels:
     """The fastest kernels the probe finds working for this device and dtype; logs them."""
     fallback = _forced_fallback()
@@ -137,9 +143,10 @@ def select(device: torch.device, dtype: torch.dtype) -> Kernels:
         int4_dtype=None if fallback else _int_kernel_dtype(int4_mm_works, device, dtype),
     )
     log.info(kernels.describe())
-    if device.type == "cpu" and dtype != torch.float32 and not machine().fast_cpu_bf16:
+    if device.type == "cpu" and dtype != torch.float32 and not _fast_cpu_half(dtype):
         log.warning(
-            "%s is slow on this CPU (no AMX or AVX512-BF16); --dtype float32 runs faster",
+            "%s is slow on this CPU (no AMX or AVX512-BF16 that oneDNN may use);"
+            " --dtype float32 runs faster",
             str(dtype).removeprefix("torch."),
         )
     return kernels
@@ -163,8 +170,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16
-        fast = machine().fast_cpu_bf16 and packed_linear_works(torch.bfloat16)
-        return torch.bfloat16 if fast and not _forced_fallback() else torch.float32
+        fast = _fast_cpu_half(torch.bfloat16) and not _forced_fallback()
+        return torch.bfloat16 if fast else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
     return DTYPES[name]
