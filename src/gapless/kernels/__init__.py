@@ -65,7 +65,7 @@ class Kernels:
     int8_dtype: torch.dtype | None = None
     int4_dtype: torch.dtype | None = None
     # Batches of more rows than this dequantize a quantized weight and run the dense matmul:
-    # from about there the int kernels were slower here (docs/benchmarks.md).
+    # both int kernels beat that up to 16 rows here, int8's lost at 32 (docs/benchmarks.md).
     int_kernel_max_rows: int = QUANT_KERNEL_MAX_ROWS
 
     def linear(self, weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None) -> Linear:
@@ -156,7 +156,7 @@ def _int_kernel_dtype(
     works: Callable[[str, torch.dtype], bool], device: torch.device, dtype: torch.dtype
 ) -> torch.dtype | None:
     """bfloat16 activations where the kernel takes them, even in a float32 run: on the CPU
-    the int kernels ran ~17x faster on them (docs/benchmarks.md); the CUDA int4 kernel takes
+    the int8 kernel ran ~8x faster on them (docs/benchmarks.md); the CUDA int4 kernel takes
     nothing else. Else the run dtype, or None where the kernel is missing."""
     for candidate in (torch.bfloat16, dtype):
         if works(device.type, candidate):
