@@ -1,19 +1,22 @@
-"""Shared fixtures: the test tokenizer and tiny checkpoints, built once per session."""
+"""Shared fixtures: the test tokenizer and tiny checkpoints, built once per session, and an
+HTTP client of whichever `server` the requesting module runs."""
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 # Make tests/checkpoints.py importable as `checkpoints` from every test module.
 sys.path.insert(0, str(Path(__file__).parent))
 
 from checkpoints import make_checkpoint, write_test_tokenizer  # noqa: E402
+from server_fixture import RunningServer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +56,9 @@ def kernels_choice(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     """Runs a test on the kernels the probe picks, and again on the public-op fallbacks."""
     monkeypatch.setenv("GAPLESS_KERNELS", request.param)
     return request.param
+
+
+@pytest.fixture
+def client(server: RunningServer) -> Iterator[httpx.Client]:
+    with server.client() as c:
+        yield c

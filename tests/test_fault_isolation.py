@@ -37,12 +37,6 @@ def server(llama_dir: Path) -> Iterator[RunningServer]:
         yield running
 
 
-@pytest.fixture
-def client(server: RunningServer) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
-
-
 # -- the server -------------------------------------------------------------------------------
 
 
