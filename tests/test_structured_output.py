@@ -33,9 +33,13 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 @pytest.fixture
 def engine(checkpoint) -> Engine:
-    # Small chunks: a long prompt prefills over many steps while the others decode.
+    # Small chunks, also when idle: a long prompt prefills over many steps.
     config = EngineConfig(
-        dtype="float32", device="cpu", prefill_chunk=16, enable_prefix_cache=False
+        dtype="float32",
+        device="cpu",
+        prefill_chunk=16,
+        idle_prefill_chunk=16,
+        enable_prefix_cache=False,
     )
     return Engine.from_pretrained(checkpoint("llama"), config)
 
@@ -156,8 +160,10 @@ def test_cancelling_a_request_for_n_frees_every_choice(engine):
 
 def test_cancelled_before_the_fork_ends_the_waiting_choices_too(engine):
     rid = engine.add_request(prompt(100), SamplingParams(max_tokens=5, n=3))
-    engine.step()  # one chunk of the prompt: the other choices still wait to fork
+    got: dict = {}
+    collect(got, engine.step())  # one chunk of the prompt: the other choices wait to fork
+    assert [len(r.forks) for r in engine._requests[rid]] == [2, 0, 0]
     engine.cancel(rid)
-    got = run(engine)
+    run(engine, got)
     assert sorted(i for r, i in got if r == rid) == [0, 1, 2]
     assert all(got[rid, i]["finish"].finish_reason == "cancelled" for i in range(3))
