@@ -20,6 +20,8 @@ CPU = torch.device("cpu")
 
 
 def test_startup_names_the_kernels_in_one_line(caplog, monkeypatch):
+    kernels.select(CPU, torch.float32)  # the one-off build of our kernel logs a line of its own
+    caplog.clear()
     with caplog.at_level(logging.INFO, "gapless.kernels"):
         chosen = kernels.select(CPU, torch.float32)
     assert [r.message for r in caplog.records] == [chosen.describe()]
@@ -112,3 +114,38 @@ def test_history_in_scattered_blocks_is_attended_in_place(checkpoint, max_runs, 
     assert runs == ([(320, 32), (144, 48), (400, 4)] if max_runs == 8 else None)
     pieces = run_chunks(runner, seq, [12, 1, 1, 1, 1])  # a chunk, then lone decodes
     assert (whole[84:] - pieces).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(
+    not kernels.probe.paged_decode_works(torch.float32),
+    reason="our paged decode kernel cannot be built here (no compiler or Python headers)",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (9, 3, 64), (14, 2, 128)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_decode_kernel_matches_attention_over_gathered_keys(
+    dtype, heads, kv_heads, dim, window
+):
+    """Sequences of different lengths, blocks scattered through the cache, GQA and a sliding
+    window: each query attends exactly its own keys."""
+    gen = torch.Generator().manual_seed(heads)
+    block_size, lengths = 16, [1, 16, 17, 70]
+    k_cache, v_cache = (
+        torch.randn(40, block_size, kv_heads, dim, generator=gen).to(dtype) for _ in range(2)
+    )
+    q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
+    order = torch.randperm(40, generator=gen)
+    tables = torch.stack([order[5 * b : 5 * b + 5] for b in range(len(lengths))])
+    got = kernels.paged.paged_decode(q, k_cache, v_cache, tables, torch.tensor(lengths), window)
+    for b, n in enumerate(lengths):
+        slots = (tables[b, :, None] * block_size + torch.arange(block_size)).flatten()[:n]
+        if window:
+            slots = slots[-window:]
+        k, v = (
+            c.flatten(0, 1)[slots].float().repeat_interleave(heads // kv_heads, 1)
+            for c in (k_cache, v_cache)
+        )
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) / dim**0.5
+        want = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).flatten()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (got[b].float() - want).abs().max().item() < tol

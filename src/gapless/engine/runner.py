@@ -100,6 +100,9 @@ class ModelRunner:
         table = req.block_table[: -(-end // self.block_size)]
         return ChunkInput(req.tokens(start, end), start, table, all_logits)
 
+    def _decodes_paged(self) -> bool:
+        return self.kernels.decodes_paged(self.decoder.config.head_dim)
+
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
@@ -133,7 +136,7 @@ class ModelRunner:
             else:
                 groups.append(self._prefill_group(row, start, n, key_start, blocks))
         # A lone decode sees all its keys, its own included, unmasked.
-        lone = decode_keys[0] if len(decode_keys) == 1 else None
+        lone = decode_keys[0] if len(decode_keys) == 1 and not self._decodes_paged() else None
         if lone and (runs := self._history_runs(lone[1] + 1, lone[2])) is not None:
             groups.insert(0, AttentionGroup(slice(0, 1), 1, 1, None, {}, history_runs=runs))
         elif decode_keys:
@@ -202,10 +205,14 @@ class ModelRunner:
         width = max(len(blocks) for _, _, blocks in keys)
         # Padding points at block 0 and is masked out, as are positions past the query.
         padded = [blocks + [0] * (width - len(blocks)) for _, _, blocks in keys]
+        key_blocks = torch.tensor(padded, device=dev)
+        b = len(keys)
+        if self._decodes_paged():
+            num_keys = torch.tensor([q - k0 + 1 for k0, q, _ in keys], device=dev)
+            return AttentionGroup(slice(0, b), b, 1, key_blocks, {}, num_keys=num_keys)
         offsets = torch.arange(width * self.block_size, device=dev)
         k_pos = torch.tensor([k0 for k0, _, _ in keys], device=dev)[:, None] + offsets[None, :]
         q_pos = torch.tensor([q for _, q, _ in keys], device=dev)[:, None]
         # [B, 1, 1, L]: one query per sequence, so a folded group's rows share it by broadcast.
         masks = {w: m[:, None] for w, m in self._masks(q_pos, k_pos, torch.tensor(True)).items()}
-        b = len(keys)
-        return AttentionGroup(slice(0, b), b, 1, torch.tensor(padded, device=dev), masks, True)
+        return AttentionGroup(slice(0, b), b, 1, key_blocks, masks, True)

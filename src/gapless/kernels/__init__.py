@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gapless.kernels import attention
+from gapless.kernels import attention, paged
 from gapless.kernels.linear import Int4Linear, Int8Linear, Linear, PackedLinear, PlainLinear
 from gapless.kernels.probe import (
     cpu_flash_works,
@@ -27,6 +27,7 @@ from gapless.kernels.probe import (
     int8_mm_works,
     machine,
     packed_linear_works,
+    paged_decode_works,
 )
 from gapless.model.quantize import GroupQuant
 
@@ -67,6 +68,7 @@ class Kernels:
     # Batches of more rows than this dequantize a quantized weight and run the dense matmul:
     # both int kernels beat that up to 16 rows here, int8's lost at 32 (docs/benchmarks.md).
     int_kernel_max_rows: int = QUANT_KERNEL_MAX_ROWS
+    paged_decode: bool = False  # decodes on our kernel (paged.py), else as prompt chunks
 
     def linear(self, weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None) -> Linear:
         if isinstance(weight, GroupQuant) and weight.codes.dtype == torch.int8:
@@ -76,6 +78,10 @@ class Kernels:
         if self.packed_linear:
             return PackedLinear(weight, bias)
         return PlainLinear(weight, bias)
+
+    def decodes_paged(self, head_dim: int) -> bool:
+        """Whether decodes of a model with this head size run on our paged kernel."""
+        return self.paged_decode and head_dim in paged.HEAD_DIMS
 
     def attention(
         self,
@@ -91,7 +97,11 @@ class Kernels:
         k_cache, v_cache = kv_cache
         out = None
         for g in groups:
-            if g.history_runs is not None:
+            if g.num_keys is not None:
+                o = paged.paged_decode(
+                    q[g.rows], k_cache, v_cache, g.key_blocks, g.num_keys, window
+                )
+            elif g.history_runs is not None:
                 o = attention.in_place(
                     q[g.rows], k[g.rows], v[g.rows], k_cache, v_cache, g.history_runs
                 )
@@ -109,6 +119,8 @@ class Kernels:
         where = m.cuda if self.device.type == "cuda" else f"cpu {' '.join(m.cpu_isa) or 'base'}"
         linear = "onednn-packed" if self.packed_linear else "F.linear"
         attn = "in-place paged" if self.in_place_attention else "gathered sdpa"
+        if self.paged_decode:
+            attn += " (decodes on our paged kernel)"
         dtype = str(self.dtype).removeprefix("torch.")
         quant = ", ".join(
             f"{name} kernel on {str(dt).removeprefix('torch.')}" if dt else f"{name} dequantized"
@@ -139,6 +151,7 @@ def select(device: torch.device, dtype: torch.dtype) -> Kernels:
         dtype,
         packed_linear=cpu and packed_linear_works(dtype),
         in_place_attention=cpu and cpu_flash_works(dtype),
+        paged_decode=cpu and paged_decode_works(dtype),
         int8_dtype=None if fallback else _int_kernel_dtype(int8_mm_works, device, dtype),
         int4_dtype=None if fallback else _int_kernel_dtype(int4_mm_works, device, dtype),
     )

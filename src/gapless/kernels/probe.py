@@ -105,3 +105,28 @@ def int4_mm_works(device_type: str, dtype: torch.dtype) -> bool:
             torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)
 
     return _works(run)
+
+
+@functools.cache
+def paged_decode_works(dtype: torch.dtype) -> bool:
+    """Our paged decode attention kernel builds here and agrees with plain attention."""
+    from gapless.kernels import paged
+
+    if paged.extension() is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 64, generator=gen).to(dtype)
+    k_cache, v_cache = (torch.randn(3, 4, 1, 64, generator=gen).to(dtype) for _ in range(2))
+    tables, num_keys = torch.tensor([[2, 0], [1, 0]]), torch.tensor([6, 3])
+    try:
+        got = paged.paged_decode(q, k_cache, v_cache, tables, num_keys, None).view(2, 2, 64)
+    except RuntimeError:
+        return False
+    for b in range(2):
+        slots = tables[b, :, None] * 4 + torch.arange(4)
+        keys = slots.flatten()[: num_keys[b]]
+        k, v = (c.flatten(0, 1)[keys, 0].float() for c in (k_cache, v_cache))
+        want = ((q[b].float() @ k.T) / 8).softmax(-1) @ v
+        if not torch.allclose(got[b].float(), want, atol=2e-2, rtol=2e-2):
+            return False
+    return True

@@ -48,6 +48,8 @@ class AttentionGroup:
     runs of consecutive slots in the flattened cache, as (first slot, length), holding the
     keys before its new tokens (and, for a decode, its own key). Every query sees them all,
     so they are attended in place, unmasked; a chunk's own tokens attend causally.
+    num_keys: decodes, for the paged decode kernel instead of masks: how many keys of its
+    row of key_blocks each sequence attends, its own included, [B].
     """
 
     rows: slice
@@ -57,6 +59,7 @@ class AttentionGroup:
     masks: dict[int | None, torch.Tensor | None]
     fold_heads: bool = False
     history_runs: list[tuple[int, int]] | None = None
+    num_keys: torch.Tensor | None = None
 
 
 @dataclass

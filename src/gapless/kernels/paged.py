@@ -1,0 +1,68 @@
+"""Decode attention straight from the paged KV cache: a small C++ kernel (csrc/), compiled
+for this CPU's instruction set on first use and cached by torch (~/.cache/torch_extensions).
+
+Why a kernel of our own: every public route reads a decode's history at 1-2 GB/s here.
+Gathering each sequence's blocks, padding, masking and calling SDPA copies the whole history
+every layer, and the CPU flash op spends its time on three query rows per KV head. The kernel
+walks each sequence's block table in place, once per KV head for all the query heads that
+share it (docs/benchmarks.md has the figures). Where it cannot be built (no compiler, no
+Python headers) the probe says no and the public path runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from gapless.kernels.probe import machine
+
+log = logging.getLogger("gapless.kernels")
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+HEAD_DIMS = (16, 32, 64, 128, 256)  # compiled in; other models decode on SDPA
+# gcc flags per ISA the probe reports: the build is cached per flag set, so a cache shared
+# by two machines never hands one the other's instructions.
+ISA_CFLAGS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+}
+
+
+@functools.cache
+def extension() -> ModuleType | None:
+    """The kernel compiled for this CPU, or None where it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    isa = machine().cpu_isa
+    flags = [flag for name in isa for flag in ISA_CFLAGS.get(name, [])]
+    # -ffast-math lets gcc vectorize expf; the kernel has no infinities or NaNs to lose.
+    cflags = ["-O3", "-fopenmp", "-ffast-math", *flags]
+    name = "gapless_paged_attention_" + "_".join(n for n in isa if n in ISA_CFLAGS)
+    log.info("kernels: loading the paged decode attention (built on first use, ~30 s)")
+    try:
+        return load(name=name.rstrip("_"), sources=[str(SOURCE)], extra_cflags=cflags)
+    except Exception as e:  # noqa: BLE001 - a compiler, ninja or headers missing, in many forms
+        log.warning("kernels: paged decode attention not built (%s); using SDPA", e)
+        return None
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    num_keys: torch.Tensor,
+    window: int | None,
+) -> torch.Tensor:
+    """One query per sequence, q [B, H, D]; sequence b attends the first num_keys[b] keys
+    of its row of block_tables [B, width] (the last `window` of them if set). The caches are
+    [blocks, block_size, Hkv, D]. Returns [B, H * D]."""
+    scale = q.shape[-1] ** -0.5
+    out = extension().paged_decode(  # type: ignore[union-attr]
+        q.contiguous(), k_cache, v_cache, block_tables, num_keys, window or 0, scale
+    )
+    return out.view(q.shape[0], -1)
