@@ -116,12 +116,15 @@ def test_chat_scales_clips_and_keeps_requests_across_rates():
     slow = build_workload(spec)
     assert all(len(r.prompt) + r.max_tokens <= 1024 and r.max_tokens >= 2 for r in slow)
     assert np.median([r.max_tokens for r in slow]) == pytest.approx(415 / 4, rel=0.15)
-    # At 4x the rate the same requests arrive 4x sooner; a duration cap only drops the tail.
+    # At 4x the rate the same lengths arrive 4x sooner; a duration cap only drops the tail.
+    # The prompts' tokens differ, so no prefix cache carries one trial into the next.
     fast = build_workload(WorkloadSpec(**{**spec.__dict__, "rate": 4.0, "duration": 10.0}))
     assert 0 < len(fast) < len(slow)
     for a, b in zip(slow, fast, strict=False):
-        assert (a.prompt, a.max_tokens) == (b.prompt, b.max_tokens)
+        assert (len(a.prompt), a.max_tokens) == (len(b.prompt), b.max_tokens)
+        assert a.prompt != b.prompt
         assert b.arrival_s == pytest.approx(a.arrival_s / 4)
+    assert [r.prompt for r in build_workload(spec)] == [r.prompt for r in slow]
 
 
 def _rec(rid: int, send: float, tokens: list[float], **kw) -> RequestRecord:

@@ -128,7 +128,9 @@ def cancel(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
 def chat(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
     arrivals = _poisson_arrivals(rng, spec)
     # Lengths are drawn for every request before `duration` drops some, so a request's lengths
-    # and prompt depend on the seed alone: trials at different rates differ only in timing.
+    # depend on the seed alone: trials at different rates send the same shapes of work. The
+    # prompts' tokens are drawn afresh per rate: a server's prefix cache must not turn one
+    # trial's prompts into free prefills in the next (vLLM's is on by default, and ours).
     scale = np.log(spec.length_scale)
     prompt_mu, prompt_sigma = CHAT_PROMPT_LOGNORMAL
     output_mu, output_sigma = CHAT_OUTPUT_LOGNORMAL
@@ -141,8 +143,9 @@ def chat(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
         output_lens = np.minimum(output_lens, spec.max_model_len // 2)
         prompt_lens = np.minimum(prompt_lens, spec.max_model_len - output_lens)
     prompt_lens = np.maximum(1, prompt_lens)
+    tokens = np.random.default_rng([spec.seed, round(spec.rate * 1e6)])
     return [
-        BenchRequest(i, t, _ids(rng, int(p), spec.vocab_size), int(o))
+        BenchRequest(i, t, _ids(tokens, int(p), spec.vocab_size), int(o))
         for i, (t, p, o) in enumerate(zip(arrivals, prompt_lens, output_lens, strict=False))
     ]
 

@@ -119,14 +119,13 @@ class Kernels:
         where = m.cuda if self.device.type == "cuda" else f"cpu {' '.join(m.cpu_isa) or 'base'}"
         linear = "onednn-packed" if self.packed_linear else "F.linear"
         attn = "in-place paged" if self.in_place_attention else "gathered sdpa"
-        if self.paged_decode:
-            attn += " (decodes on our paged kernel)"
+        decode = "decodes on our paged kernel" if self.paged_decode else "decodes on sdpa"
         dtype = str(self.dtype).removeprefix("torch.")
         quant = ", ".join(
             f"{name} kernel on {str(dt).removeprefix('torch.')}" if dt else f"{name} dequantized"
             for name, dt in (("int8", self.int8_dtype), ("int4", self.int4_dtype))
         )
-        return f"kernels: {where}, {dtype} {linear} linear, {attn} attention, {quant}"
+        return f"kernels: {where}, {dtype} {linear} linear, {attn} attention, {decode}, {quant}"
 
 
 def _forced_fallback() -> bool:
