@@ -4,6 +4,8 @@ paged cache, each matching the public-op path on the tiny checkpoints."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -149,3 +151,17 @@ def test_paged_decode_kernel_matches_attention_over_gathered_keys(
         want = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).flatten()
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert (got[b].float() - want).abs().max().item() < tol
+
+
+@pytest.mark.skipif(
+    not kernels.probe.paged_decode_works(torch.float32),
+    reason="our paged decode kernel cannot be built here (no compiler or Python headers)",
+)
+def test_a_build_killed_midway_does_not_hang_the_next_start():
+    """torch's build lock is a plain file, which a killed build leaves behind; a later start
+    must not wait on it forever."""
+    stale = kernels.paged.build_directory() / "lock"
+    stale.touch()
+    code = "from gapless.kernels import paged; assert paged.extension() is not None"
+    subprocess.run([sys.executable, "-c", code], timeout=240, check=True)
+    assert not stale.exists()

@@ -1,5 +1,5 @@
 """Decode attention straight from the paged KV cache: a small C++ kernel (csrc/), compiled
-for this CPU's instruction set on first use and cached by torch (~/.cache/torch_extensions).
+for this CPU's instruction set on first use and cached (~/.cache/gapless/kernels).
 
 Why a kernel of our own: every public route reads a decode's history at 1-2 GB/s here.
 Gathering each sequence's blocks, padding, masking and calling SDPA copies the whole history
@@ -11,11 +11,13 @@ Python headers) the probe says no and the public path runs.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 from pathlib import Path
 from types import ModuleType
 
+import platformdirs
 import torch
 
 from gapless.kernels.probe import machine
@@ -32,19 +34,37 @@ ISA_CFLAGS = {
 }
 
 
+def build_directory() -> Path:
+    """Where the kernel for this CPU's ISA flags is built and cached."""
+    isa = [name for name in machine().cpu_isa if name in ISA_CFLAGS]
+    name = "_".join(["gapless_paged_attention", *isa])
+    return Path(platformdirs.user_cache_dir("gapless")) / "kernels" / name
+
+
 @functools.cache
 def extension() -> ModuleType | None:
     """The kernel compiled for this CPU, or None where it cannot be built."""
     from torch.utils.cpp_extension import load
 
-    isa = machine().cpu_isa
-    flags = [flag for name in isa for flag in ISA_CFLAGS.get(name, [])]
+    flags = [flag for name in machine().cpu_isa for flag in ISA_CFLAGS.get(name, [])]
     # -ffast-math lets gcc vectorize expf; the kernel has no infinities or NaNs to lose.
     cflags = ["-O3", "-fopenmp", "-ffast-math", *flags]
-    name = "gapless_paged_attention_" + "_".join(n for n in isa if n in ISA_CFLAGS)
+    build_dir = build_directory()
     log.info("kernels: loading the paged decode attention (built on first use, ~30 s)")
     try:
-        return load(name=name.rstrip("_"), sources=[str(SOURCE)], extra_cflags=cflags)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with (build_dir / "gapless.lock").open("w") as lock:
+            # torch's own build lock is a plain file: a process killed mid-build leaves it, and
+            # every later load would wait on it forever. Ours is a flock, which dies with its
+            # process; whoever holds it knows any torch lock file left is stale.
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            return load(
+                name=build_dir.name,
+                sources=[str(SOURCE)],
+                extra_cflags=cflags,
+                build_directory=str(build_dir),
+            )
     except Exception as e:  # noqa: BLE001 - a compiler, ninja or headers missing, in many forms
         log.warning("kernels: paged decode attention not built (%s); using SDPA", e)
         return None
