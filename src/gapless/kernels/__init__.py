@@ -68,7 +68,7 @@ class Kernels:
     # Batches of more rows than this dequantize a quantized weight and run the dense matmul:
     # both int kernels beat that up to 16 rows here, int8's lost at 32 (docs/benchmarks.md).
     int_kernel_max_rows: int = QUANT_KERNEL_MAX_ROWS
-    paged_decode: bool = False  # decodes on our kernel (paged.py), else as prompt chunks
+    paged_decode: bool = False  # decodes on our kernel (paged.py), else on SDPA
 
     def linear(self, weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None) -> Linear:
         if isinstance(weight, GroupQuant) and weight.codes.dtype == torch.int8:
