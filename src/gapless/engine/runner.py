@@ -203,7 +203,8 @@ class ModelRunner:
         """The decodes, which come first in the batch: rows 0 .. len(keys) - 1."""
         dev = self.decoder.device
         width = max(len(blocks) for _, _, blocks in keys)
-        # Padding points at block 0 and is masked out, as are positions past the query.
+        # Padding points at block 0 and is never attended: masks drop it, and positions past
+        # the query, or on our kernel num_keys stops before it.
         padded = [blocks + [0] * (width - len(blocks)) for _, _, blocks in keys]
         key_blocks = torch.tensor(padded, device=dev)
         b = len(keys)

@@ -11,7 +11,6 @@ Python headers) the probe says no and the public path runs.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import logging
 from pathlib import Path
@@ -52,6 +51,8 @@ def extension() -> ModuleType | None:
     build_dir = build_directory()
     log.info("kernels: loading the paged decode attention (built on first use, ~30 s)")
     try:
+        import fcntl  # POSIX; elsewhere the ImportError below means SDPA decodes
+
         build_dir.mkdir(parents=True, exist_ok=True)
         with (build_dir / "gapless.lock").open("w") as lock:
             # torch's own build lock is a plain file: a process killed mid-build leaves it, and

@@ -28,7 +28,8 @@ inline float to_float(c10::Half x) { return static_cast<float>(x); }
 template <typename T, int D>
 void attend(const float* __restrict query, const T* __restrict keys, const T* __restrict values,
             const int64_t* table, int64_t block_size, int64_t token_stride, int64_t first,
-            int64_t n, int64_t group, float* __restrict scores, float* __restrict acc) {
+            int64_t n, int64_t group, float* __restrict scores, float* __restrict total,
+            float* __restrict acc) {
   const int64_t len = n - first;
   float row[D];
   // Slots of keys first .. n - 1, block by block: no division per key.
@@ -55,7 +56,6 @@ void attend(const float* __restrict query, const T* __restrict keys, const T* __
       scores[g * len + i] = s;
     }
   });
-  std::vector<float> total(group);
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores + g * len;
     float peak = sg[0];
@@ -97,7 +97,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t token_stride = kv_heads * D;  // elements between two slots of a head
 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * D), acc(group * D), scores;
+    std::vector<float> query(group * D), acc(group * D), total(group), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, h = item % kv_heads;
       const int64_t n = lengths[b];
@@ -106,7 +106,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const T* qh = qp + (b * heads + h * group) * D;
       for (int64_t i = 0; i < group * D; ++i) query[i] = to_float(qh[i]) * static_cast<float>(scale);
       attend<T, D>(query.data(), kp + h * D, vp + h * D, tables + b * table_width, block_size,
-                   token_stride, first, n, group, scores.data(), acc.data());
+                   token_stride, first, n, group, scores.data(), total.data(), acc.data());
       T* dst = op + (b * heads + h * group) * D;
       for (int64_t i = 0; i < group * D; ++i) dst[i] = static_cast<T>(acc[i]);
     }
