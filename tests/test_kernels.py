@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_model import Seq, hf_model, prompt, run_chunks
 
 import gapless.kernels as kernels
@@ -17,6 +18,7 @@ from gapless.engine.runner import ModelRunner
 from gapless.kernels.linear import PackedLinear, PlainLinear
 from gapless.kernels.probe import Machine, packed_linear_works
 from gapless.model.loader import load_decoder
+from gapless.model.quantize import quantize_int4
 
 CPU = torch.device("cpu")
 
@@ -38,6 +40,24 @@ def test_startup_names_the_kernels_in_one_line(caplog, monkeypatch):
     monkeypatch.setenv("GAPLESS_KERNELS", "fast")
     with pytest.raises(ValueError, match="choose auto or fallback"):
         kernels.select(CPU, torch.float32)
+
+
+def test_quantized_weights_run_float32_with_bf16_prefill_where_bf16_is_fast(monkeypatch):
+    isa = ("avx2", "avx512", "avx512-bf16")
+    monkeypatch.setattr(kernels, "machine", lambda: Machine("Zen 4", isa, "AVX512_CORE", None))
+    monkeypatch.setattr(kernels, "packed_linear_works", lambda dtype: True)
+    assert kernels.resolve_dtype("auto", CPU) == torch.bfloat16
+    assert kernels.resolve_dtype("auto", CPU, quantized=True) == torch.float32
+    assert kernels.resolve_dtype("auto", torch.device("cuda"), quantized=True) == torch.bfloat16
+    q = quantize_int4(torch.randn(32, 64), 32)
+    linear = kernels.select(CPU, torch.float32).linear(q)
+    assert linear.dense_dtype == torch.bfloat16
+    x = torch.randn(40, 64)  # more rows than the int kernel takes: the dense path
+    want = F.linear(x.bfloat16(), q.dequantize(torch.bfloat16)).float()
+    assert torch.equal(linear(x), want)
+    assert kernels.select(CPU, torch.bfloat16).linear(q).dense_dtype is None
+    monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
+    assert kernels.select(CPU, torch.float32).linear(q).dense_dtype is None
 
 
 def test_cuda_gets_public_ops():

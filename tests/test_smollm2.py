@@ -27,7 +27,11 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(SMOLLM2, dtype="float32", kv_cache_tokens=2048)
+    # The auto dtype, as `make serve` runs it: float32 for the quantized file on every CPU
+    # (in bfloat16 the greedy answer below was "L'Étoile, la Marseillaise, ...").
+    llm = LLM(SMOLLM2, kv_cache_tokens=2048)
+    assert llm.engine.decoder.dtype == torch.float32
+    return llm
 
 
 def test_logits_and_ids_match_transformers_gguf_loader(llm, monkeypatch):

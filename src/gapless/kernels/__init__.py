@@ -69,12 +69,17 @@ class Kernels:
     # both int kernels beat that up to 16 rows here, int8's lost at 32 (docs/benchmarks.md).
     int_kernel_max_rows: int = QUANT_KERNEL_MAX_ROWS
     paged_decode: bool = False  # decodes on our kernel (paged.py), else on SDPA
+    # The dtype the quantized linears' larger batches multiply in; None: the run dtype.
+    # bfloat16 in a float32 run on CPUs that multiply it fast: prompt chunks then run near
+    # bf16 speed while the residual stream, norms and attention stay float32.
+    quant_dense_dtype: torch.dtype | None = None
 
     def linear(self, weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None) -> Linear:
+        rows, dense = self.int_kernel_max_rows, self.quant_dense_dtype
         if isinstance(weight, GroupQuant) and weight.codes.dtype == torch.int8:
-            return Int8Linear(weight, bias, self.int8_dtype, self.int_kernel_max_rows)
+            return Int8Linear(weight, bias, self.int8_dtype, rows, dense)
         if isinstance(weight, GroupQuant):
-            return Int4Linear(weight, bias, self.int4_dtype, self.int_kernel_max_rows)
+            return Int4Linear(weight, bias, self.int4_dtype, rows, dense)
         if self.packed_linear:
             return PackedLinear(weight, bias)
         return PlainLinear(weight, bias)
@@ -120,12 +125,18 @@ class Kernels:
         linear = "onednn-packed" if self.packed_linear else "F.linear"
         attn = "in-place paged" if self.in_place_attention else "gathered sdpa"
         decode = "decodes on our paged kernel" if self.paged_decode else "decodes on sdpa"
-        dtype = str(self.dtype).removeprefix("torch.")
+        dtype = _name(self.dtype)
         quant = ", ".join(
-            f"{name} kernel on {str(dt).removeprefix('torch.')}" if dt else f"{name} dequantized"
+            f"{name} kernel on {_name(dt)}" if dt else f"{name} dequantized"
             for name, dt in (("int8", self.int8_dtype), ("int4", self.int4_dtype))
         )
+        if self.quant_dense_dtype:
+            quant += f", quantized prefill on {_name(self.quant_dense_dtype)}"
         return f"kernels: {where}, {dtype} {linear} linear, {attn} attention, {decode}, {quant}"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _forced_fallback() -> bool:
@@ -153,13 +164,16 @@ def select(device: torch.device, dtype: torch.dtype) -> Kernels:
         paged_decode=cpu and paged_decode_works(dtype),
         int8_dtype=None if fallback else _int_kernel_dtype(int8_mm_works, device, dtype),
         int4_dtype=None if fallback else _int_kernel_dtype(int4_mm_works, device, dtype),
+        quant_dense_dtype=torch.bfloat16
+        if cpu and dtype == torch.float32 and _fast_cpu_half(torch.bfloat16)
+        else None,
     )
     log.info(kernels.describe())
     if device.type == "cpu" and dtype != torch.float32 and not _fast_cpu_half(dtype):
         log.warning(
             "%s is slow on this CPU (no AMX or AVX512-BF16 that oneDNN may use);"
             " --dtype float32 runs faster",
-            str(dtype).removeprefix("torch."),
+            _name(dtype),
         )
     return kernels
 
@@ -176,12 +190,20 @@ def _int_kernel_dtype(
     return None
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> torch.dtype:
     """`auto` is bfloat16 on CUDA, and on CPUs with AMX/AVX512-BF16 where the packed bf16
-    linear works; float32 elsewhere."""
+    linear works; float32 elsewhere, and for quantized weights on every CPU.
+
+    Quantized linears multiply in bfloat16 where that is fast anyway (int8_dtype,
+    int4_dtype, quant_dense_dtype), so float32 costs them little: SmolLM2's Q4_1 decode step
+    was no slower. But a bfloat16 residual stream changed the default model's greedy answers
+    ("What is the capital of France?" got "L'Étoile, la Marseillaise, ...", float32 "Paris").
+    """
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16
+        if quantized:
+            return torch.float32
         fast = _fast_cpu_half(torch.bfloat16) and not _forced_fallback()
         return torch.bfloat16 if fast else torch.float32
     if name not in DTYPES:

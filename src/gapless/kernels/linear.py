@@ -59,8 +59,8 @@ class QuantizedLinear:
 
     Batches of up to `kernel_max_rows` rows (decode steps) run the int kernel, which reads
     the weight as it is stored: the fewer bytes, the faster a bandwidth-bound decode step.
-    Larger batches (prompt chunks) dequantize the weight to the activations' dtype per call
-    and run the dense matmul, which was faster there than the int kernels.
+    Larger batches (prompt chunks) dequantize the weight per call and run the dense matmul,
+    which was faster there than the int kernels, in `dense_dtype` (None: the activations').
     The kernels take activations in `kernel_dtype`; with None, or for a shape the kernel
     cannot take, every batch takes the dense path: the fallback.
     """
@@ -71,10 +71,12 @@ class QuantizedLinear:
         bias: torch.Tensor | None,
         kernel_dtype: torch.dtype | None,
         kernel_max_rows: int,
+        dense_dtype: torch.dtype | None,
     ) -> None:
         self.weight = weight
         self.bias = bias
         self.kernel_dtype = kernel_dtype
+        self.dense_dtype = dense_dtype
         fits = kernel_dtype is not None and self.kernel_fits(*weight.codes.shape)
         self.kernel_max_rows = kernel_max_rows if fits else 0
 
@@ -87,8 +89,10 @@ class QuantizedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.kernel_max_rows:
-            return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
-        y = self._kernel(x.to(self.kernel_dtype)).to(x.dtype)
+            dtype = self.dense_dtype or x.dtype
+            y = F.linear(x.to(dtype), self.weight.dequantize(dtype)).to(x.dtype)
+        else:
+            y = self._kernel(x.to(self.kernel_dtype)).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,10 +111,11 @@ class Int8Linear(QuantizedLinear):
         bias: torch.Tensor | None = None,
         kernel_dtype: torch.dtype | None = None,
         kernel_max_rows: int = 0,
+        dense_dtype: torch.dtype | None = None,
     ) -> None:
         if weight.offset is not None or weight.group_size != weight.codes.shape[1]:
             raise ValueError("Int8Linear takes symmetric int8 codes with one scale per row")
-        super().__init__(weight, bias, kernel_dtype, kernel_max_rows)
+        super().__init__(weight, bias, kernel_dtype, kernel_max_rows, dense_dtype)
         if self.kernel_max_rows:
             self.kernel_scale = weight.scale[:, 0].to(kernel_dtype)
 
@@ -137,8 +142,9 @@ class Int4Linear(QuantizedLinear):
         bias: torch.Tensor | None = None,
         kernel_dtype: torch.dtype | None = None,
         kernel_max_rows: int = 0,
+        dense_dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(weight, bias, kernel_dtype, kernel_max_rows)
+        super().__init__(weight, bias, kernel_dtype, kernel_max_rows, dense_dtype)
         if not self.kernel_max_rows:
             return
         zero = weight.offset + 8 * weight.scale

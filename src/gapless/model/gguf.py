@@ -217,7 +217,8 @@ def load_gguf(
     reader = _Reader(path, "c")
     cfg = read_config(reader)
     dev = torch.device(device)
-    run_dtype = resolve_dtype(dtype, dev)
+    quantized = quantize is not None or any(t.tensor_type in INT4_TYPES for t in reader.tensors)
+    run_dtype = resolve_dtype(dtype, dev, quantized)
     expected = {gguf_name(n): (n, shape) for n, shape in expected_shapes(cfg).items()}
     check_names(set(expected), {t.name for t in reader.tensors}, path)
     permuted = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}

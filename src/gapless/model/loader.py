@@ -130,7 +130,7 @@ def load_decoder(
     quantize_fn = quantizer(quantize, group_size)
     cfg = ModelConfig.from_pretrained(path)
     dev = torch.device(device)
-    dt = resolve_dtype(dtype, dev)
+    dt = resolve_dtype(dtype, dev, quantized=quantize is not None)
     weights = load_weights(path, cfg, dt, dev)
     return build_decoder(cfg, weights, select(dev, dt), quantize_fn, parallel)
 

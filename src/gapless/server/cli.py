@@ -49,7 +49,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--dtype",
         default="auto",
         choices=["auto", *DTYPES],
-        help="auto: bfloat16 on CUDA and bf16-capable CPUs, else float32",
+        help="auto: bfloat16 on CUDA and bf16-capable CPUs, else float32 (and for quantized weights on CPU)",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument(
