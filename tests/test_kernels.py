@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_model import Seq, hf_model, prompt, run_chunks
+from test_quantize import rel_err
 
 import gapless.kernels as kernels
 from gapless import LLM, SamplingParams
@@ -138,9 +139,39 @@ def test_history_in_scattered_blocks_is_attended_in_place(checkpoint, max_runs, 
     assert (whole[84:] - pieces).abs().max().item() < 1e-4
 
 
+def check_paged_kernel(dtype, heads, kv_heads, dim, window, n, block_size):
+    """Sequences of different lengths, blocks scattered through the cache, GQA and a sliding
+    window: each of a sequence's n new queries attends exactly its own keys, causally."""
+    gen = torch.Generator().manual_seed(heads * n)
+    lengths = [n, n + 15, n + 16, n + 69]
+    width = -(-max(lengths) // block_size)
+    k_cache, v_cache = (
+        torch.randn(4 * width + 3, block_size, kv_heads, dim, generator=gen).to(dtype)
+        for _ in range(2)
+    )
+    q = torch.randn(len(lengths) * n, heads, dim, generator=gen).to(dtype)
+    order = torch.randperm(4 * width + 3, generator=gen)
+    tables = order[: 4 * width].view(4, width)
+    got = kernels.paged.paged_attention(q, k_cache, v_cache, tables, torch.tensor(lengths), window)
+    for b, length in enumerate(lengths):
+        slots = (tables[b, :, None] * block_size + torch.arange(block_size)).flatten()[:length]
+        k, v = (
+            c.flatten(0, 1)[slots].float().repeat_interleave(heads // kv_heads, 1)
+            for c in (k_cache, v_cache)
+        )
+        q_pos = torch.arange(length - n, length)[:, None]
+        delta = q_pos - torch.arange(length)[None]
+        allowed = (delta >= 0) & (delta < (window or length))
+        scores = torch.einsum("nhd,lhd->nhl", q[b * n : (b + 1) * n].float(), k) / dim**0.5
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        want = torch.einsum("nhl,lhd->nhd", scores.softmax(-1), v).flatten(1)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (got[b * n : (b + 1) * n].float() - want).abs().max().item() < tol
+
+
 @pytest.mark.skipif(
     not kernels.probe.paged_decode_works(torch.float32),
-    reason="our paged decode kernel cannot be built here (no compiler or Python headers)",
+    reason="our paged attention kernel cannot be built here (no compiler or Python headers)",
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (9, 3, 64), (14, 2, 128)])
@@ -148,34 +179,43 @@ def test_history_in_scattered_blocks_is_attended_in_place(checkpoint, max_runs, 
 def test_paged_decode_kernel_matches_attention_over_gathered_keys(
     dtype, heads, kv_heads, dim, window
 ):
-    """Sequences of different lengths, blocks scattered through the cache, GQA and a sliding
-    window: each query attends exactly its own keys."""
-    gen = torch.Generator().manual_seed(heads)
-    block_size, lengths = 16, [1, 16, 17, 70]
-    k_cache, v_cache = (
-        torch.randn(40, block_size, kv_heads, dim, generator=gen).to(dtype) for _ in range(2)
-    )
-    q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
-    order = torch.randperm(40, generator=gen)
-    tables = torch.stack([order[5 * b : 5 * b + 5] for b in range(len(lengths))])
-    got = kernels.paged.paged_decode(q, k_cache, v_cache, tables, torch.tensor(lengths), window)
-    for b, n in enumerate(lengths):
-        slots = (tables[b, :, None] * block_size + torch.arange(block_size)).flatten()[:n]
-        if window:
-            slots = slots[-window:]
-        k, v = (
-            c.flatten(0, 1)[slots].float().repeat_interleave(heads // kv_heads, 1)
-            for c in (k_cache, v_cache)
-        )
-        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) / dim**0.5
-        want = torch.einsum("hl,lhd->hd", scores.softmax(-1), v).flatten()
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        assert (got[b].float() - want).abs().max().item() < tol
+    check_paged_kernel(dtype, heads, kv_heads, dim, window, 1, 16)
+
+
+@pytest.mark.skipif(
+    not kernels.probe.paged_prefill_works(torch.bfloat16),
+    reason="prompt chunks run on our kernel only in bf16 on CPUs with AVX512-BF16",
+)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 32), (9, 3, 64), (14, 2, 128)])
+@pytest.mark.parametrize("window", [None, 20, 40])
+@pytest.mark.parametrize(("n", "block_size"), [(5, 16), (37, 8), (70, 32)])
+def test_paged_prefill_kernel_matches_attention_over_gathered_keys(
+    heads, kv_heads, dim, window, n, block_size
+):
+    check_paged_kernel(torch.bfloat16, heads, kv_heads, dim, window, n, block_size)
+
+
+@pytest.mark.skipif(
+    not kernels.probe.paged_prefill_works(torch.bfloat16),
+    reason="prompt chunks run on our kernel only in bf16 on CPUs with AVX512-BF16",
+)
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_bf16_chunks_on_our_kernel_match_the_public_ops(checkpoint, arch, monkeypatch):
+    """Prompt chunks against their history, and mistral's 24-token window, on the kernel
+    (head size 32 is one it takes), against the whole prompt on the public ops."""
+    path, ids = checkpoint(arch, head_dim=32), prompt(120)
+    runner = ModelRunner(load_decoder(path, "bfloat16"), 32, 16)
+    batch = runner._build([runner._input(Seq(ids, 0).chunk(40), False)])
+    assert batch.groups[0].num_keys is not None
+    got = run_chunks(runner, Seq(ids, 0), [40, 33, 47])
+    monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
+    want = run_chunks(ModelRunner(load_decoder(path, "bfloat16"), 32, 16), Seq(ids, 0), [120])
+    assert rel_err(got.float(), want.float()) < 0.03
 
 
 @pytest.mark.skipif(
     not kernels.probe.paged_decode_works(torch.float32),
-    reason="our paged decode kernel cannot be built here (no compiler or Python headers)",
+    reason="our paged attention kernel cannot be built here (no compiler or Python headers)",
 )
 def test_a_build_killed_midway_does_not_hang_the_next_start():
     """torch's build lock is a plain file, which a killed build leaves behind; a later start

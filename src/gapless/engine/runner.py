@@ -182,6 +182,10 @@ class ModelRunner:
     ) -> AttentionGroup:
         dev = self.decoder.device
         rows = slice(row, row + n)
+        if self.kernels.prefills_paged(self.decoder.config.head_dim):
+            key_blocks = torch.tensor(blocks, device=dev)[None]
+            num_keys = torch.tensor([start + n - key_start], device=dev)
+            return AttentionGroup(rows, 1, n, key_blocks, {}, num_keys=num_keys)
         fold_max = self.kernels.fold_max_queries
         fresh = start == 0 and n % self.block_size == 0
         if n > fold_max and fresh and all(w is None or w >= n for w in self.windows):

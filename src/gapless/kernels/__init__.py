@@ -28,6 +28,7 @@ from gapless.kernels.probe import (
     machine,
     packed_linear_works,
     paged_decode_works,
+    paged_prefill_works,
 )
 from gapless.model.quantize import GroupQuant
 
@@ -69,6 +70,7 @@ class Kernels:
     # both int kernels beat that up to 16 rows here, int8's lost at 32 (docs/benchmarks.md).
     int_kernel_max_rows: int = QUANT_KERNEL_MAX_ROWS
     paged_decode: bool = False  # decodes on our kernel (paged.py), else on SDPA
+    paged_prefill: bool = False  # prompt chunks attend on it too, else on attention.py
     # The dtype the quantized linears' larger batches multiply in; None: the run dtype.
     # bfloat16 in a float32 run on CPUs that multiply it fast: prompt chunks then run near
     # bf16 speed while the residual stream, norms and attention stay float32.
@@ -88,6 +90,10 @@ class Kernels:
         """Whether decodes of a model with this head size run on our paged kernel."""
         return self.paged_decode and head_dim in paged.HEAD_DIMS
 
+    def prefills_paged(self, head_dim: int) -> bool:
+        """Whether prompt chunks of a model with this head size do."""
+        return self.paged_prefill and head_dim in paged.PREFILL_HEAD_DIMS
+
     def attention(
         self,
         q: torch.Tensor,
@@ -103,7 +109,7 @@ class Kernels:
         out = None
         for g in groups:
             if g.num_keys is not None:
-                o = paged.paged_decode(
+                o = paged.paged_attention(
                     q[g.rows], k_cache, v_cache, g.key_blocks, g.num_keys, window
                 )
             elif g.history_runs is not None:
@@ -125,6 +131,8 @@ class Kernels:
         linear = "onednn-packed" if self.packed_linear else "F.linear"
         attn = "in-place paged" if self.in_place_attention else "gathered sdpa"
         decode = "decodes on our paged kernel" if self.paged_decode else "decodes on sdpa"
+        if self.paged_prefill:
+            decode = "decodes and prompt chunks on our paged kernel"
         dtype = _name(self.dtype)
         quant = ", ".join(
             f"{name} kernel on {_name(dt)}" if dt else f"{name} dequantized"
@@ -162,6 +170,7 @@ def select(device: torch.device, dtype: torch.dtype) -> Kernels:
         packed_linear=cpu and packed_linear_works(dtype),
         in_place_attention=cpu and cpu_flash_works(dtype),
         paged_decode=cpu and paged_decode_works(dtype),
+        paged_prefill=cpu and paged_prefill_works(dtype),
         int8_dtype=None if fallback else _int_kernel_dtype(int8_mm_works, device, dtype),
         int4_dtype=None if fallback else _int_kernel_dtype(int4_mm_works, device, dtype),
         quant_dense_dtype=torch.bfloat16

@@ -1,12 +1,14 @@
-"""Decode attention straight from the paged KV cache: a small C++ kernel (csrc/), compiled
-for this CPU's instruction set on first use and cached (~/.cache/gapless/kernels).
+"""Attention straight from the paged KV cache: a small C++ kernel (csrc/), compiled for this
+CPU's instruction set on first use and cached (~/.cache/gapless/kernels).
 
 Why a kernel of our own: every public route reads a decode's history at 1-2 GB/s here.
 Gathering each sequence's blocks, padding, masking and calling SDPA copies the whole history
 every layer, and the CPU flash op spends its time on three query rows per KV head. The kernel
 walks each sequence's block table in place, once per KV head for all the query heads that
-share it (docs/benchmarks.md has the figures). Where it cannot be built (no compiler, no
-Python headers) the probe says no and the public path runs.
+share it. Prompt chunks in bf16, on CPUs with AVX512-BF16, run on it too: the flash op
+computes bf16 attention at the float32 rate, the kernel on the bf16 dot-product instruction
+at over twice that (docs/benchmarks.md has the figures). Where it cannot be built (no
+compiler, no Python headers) the probe says no and the public path runs.
 """
 
 from __future__ import annotations
@@ -25,18 +27,20 @@ log = logging.getLogger("gapless.kernels")
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 HEAD_DIMS = (16, 32, 64, 128, 256)  # compiled in; other models decode on SDPA
+PREFILL_HEAD_DIMS = (32, 64, 128, 256)  # prompt chunks: whole vectors of bf16 pairs
 # gcc flags per ISA the probe reports: the build is cached per flag set, so a cache shared
 # by two machines never hands one the other's instructions.
 ISA_CFLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+    "avx512-bf16": ["-mavx512bf16"],
 }
 
 
 def build_directory() -> Path:
     """Where the kernel for this CPU's ISA flags is built and cached."""
-    isa = [name for name in machine().cpu_isa if name in ISA_CFLAGS]
-    name = "_".join(["gapless_paged_attention", *isa])
+    isa = [name.replace("-", "_") for name in machine().cpu_isa if name in ISA_CFLAGS]
+    name = "_".join(["gapless_paged_attention", *isa])  # a Python module name
     return Path(platformdirs.user_cache_dir("gapless")) / "kernels" / name
 
 
@@ -71,7 +75,7 @@ def extension() -> ModuleType | None:
         return None
 
 
-def paged_decode(
+def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -79,11 +83,13 @@ def paged_decode(
     num_keys: torch.Tensor,
     window: int | None,
 ) -> torch.Tensor:
-    """One query per sequence, q [B, H, D]; sequence b attends the first num_keys[b] keys
-    of its row of block_tables [B, width] (the last `window` of them if set). The caches are
-    [blocks, block_size, Hkv, D]. Returns [B, H * D]."""
+    """n new queries per sequence, q [B * n, H, D], whose keys are already in the caches
+    [blocks, block_size, Hkv, D]. Sequence b has the first num_keys[b] keys of its row of
+    block_tables [B, width]; its queries are the last n of them, and each attends causally
+    (the last `window` keys up to its own, if set). Returns [B * n, H * D]."""
     scale = q.shape[-1] ** -0.5
-    out = extension().paged_decode(  # type: ignore[union-attr]
-        q.contiguous(), k_cache, v_cache, block_tables, num_keys, window or 0, scale
+    n = q.shape[0] // block_tables.shape[0]
+    out = extension().paged_attention(  # type: ignore[union-attr]
+        q.contiguous(), k_cache, v_cache, block_tables, num_keys, n, window or 0, scale
     )
     return out.view(q.shape[0], -1)

@@ -109,24 +109,38 @@ def int4_mm_works(device_type: str, dtype: torch.dtype) -> bool:
 
 @functools.cache
 def paged_decode_works(dtype: torch.dtype) -> bool:
-    """Our paged decode attention kernel builds here and agrees with plain attention."""
+    """Our paged attention kernel builds here and its decodes agree with plain attention."""
+    return _paged_kernel_agrees(dtype, 1)
+
+
+def paged_prefill_works(dtype: torch.dtype) -> bool:
+    """Its prompt chunks do too: built only for bf16 on CPUs with AVX512-BF16 (elsewhere the
+    CPU flash op is as fast; csrc/paged_attention.cpp)."""
+    return _paged_kernel_agrees(dtype, 3)
+
+
+def _paged_kernel_agrees(dtype: torch.dtype, n: int) -> bool:
+    """n queries of each of two sequences, the last n of their keys, attend causally."""
     from gapless.kernels import paged
 
     if paged.extension() is None:
         return False
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 2, 64, generator=gen).to(dtype)
+    q = torch.randn(2 * n, 2, 64, generator=gen).to(dtype)
     k_cache, v_cache = (torch.randn(3, 4, 1, 64, generator=gen).to(dtype) for _ in range(2))
     tables, num_keys = torch.tensor([[2, 0], [1, 0]]), torch.tensor([6, 3])
     try:
-        got = paged.paged_decode(q, k_cache, v_cache, tables, num_keys, None).view(2, 2, 64)
+        got = paged.paged_attention(q, k_cache, v_cache, tables, num_keys, None)
     except RuntimeError:
         return False
+    got = got.view(2, n, 2, 64)
     for b in range(2):
         slots = tables[b, :, None] * 4 + torch.arange(4)
         keys = slots.flatten()[: num_keys[b]]
         k, v = (c.flatten(0, 1)[keys, 0].float() for c in (k_cache, v_cache))
-        want = ((q[b].float() @ k.T) / 8).softmax(-1) @ v
+        scores = torch.einsum("nhd,ld->nhl", q[b * n : (b + 1) * n].float(), k) / 8
+        causal = torch.arange(len(keys)) <= torch.arange(len(keys) - n, len(keys))[:, None, None]
+        want = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
         if not torch.allclose(got[b].float(), want, atol=2e-2, rtol=2e-2):
             return False
     return True

@@ -48,8 +48,9 @@ class AttentionGroup:
     runs of consecutive slots in the flattened cache, as (first slot, length), holding the
     keys before its new tokens (and, for a decode, its own key). Every query sees them all,
     so they are attended in place, unmasked; a chunk's own tokens attend causally.
-    num_keys: decodes, for the paged decode kernel instead of masks: how many keys of its
-    row of key_blocks each sequence attends, its own included, [B].
+    num_keys: for our paged kernel instead of masks (decodes, and prompt chunks where it takes
+    them): how many keys of its row of key_blocks each sequence has, its new ones included,
+    [B]; its queries are the last num_queries of them.
     """
 
     rows: slice

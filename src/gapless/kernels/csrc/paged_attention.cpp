@@ -1,17 +1,26 @@
-// Decode attention straight from the paged KV cache: one query token per sequence, its keys
-// found through its block table. No gather of the history, no padding, no mask tensor.
+// Attention straight from the paged KV cache: each sequence's keys are found through its
+// block table. No gather of the history, no padding, no mask tensor.
 //
-// Work items are (sequence, KV head) pairs; each reads that head's keys and values once for
-// all the query heads that share it (GQA), so a step streams the cache once. Scores and
-// sums in float32 whatever the cache dtype, as the reference's softmax does.
+// Decodes (one query per sequence): work items are (sequence, KV head) pairs; each reads that
+// head's keys and values once for all the query heads that share it (GQA), so a step streams
+// the cache once. Prompt chunks (n queries per sequence, causal against everything before):
+// items are (sequence, KV head, tile of queries), each walking its keys 16 at a time with an
+// online softmax, as flash attention does. Scores and sums in float32 whatever the cache dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -113,29 +122,243 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
-// q [B, H, D]; k_cache, v_cache [blocks, block_size, Hkv, D]; block_tables [B, width] int64;
-// num_keys [B] int64: sequence b attends keys 0 .. num_keys[b] - 1 of its table (its own
-// included), the last `window` of them when window > 0. Returns [B, H, D].
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& num_keys, int64_t window,
-                        double scale) {
+
+#if defined(__AVX512BF16__)
+constexpr int kTileKeys = 32;  // two 512-bit vectors of float32 scores
+constexpr int kTileQueries = 32;
+constexpr int kBlockRows = 4;  // query rows multiplied together, sharing each load of the tile
+constexpr float kMasked = -1e30f;  // finite: -ffast-math assumes no infinities
+
+// exp(x) for x <= 0 (scores minus their running max): exp(f) * 2^n with x = f + n ln 2,
+// |f| <= ln 2 / 2; Cephes' expf constants (ln 2 split in two, degree-6 polynomial).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                  5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512bh bf16_pairs(const uint32_t* words) {
+  return (__m512bh)_mm512_load_si512(words);
+}
+
+// kTileKeys keys and values of one KV head, laid out for vdpbf16ps, which multiplies two bf16
+// pairs per float32 lane and adds them in float32, at over twice the float32 FMA rate here.
+// Keys as pairs of dims (word p of key j: dims 2p, 2p+1), so a query's scores are vectors
+// over the keys; values as pairs of keys (word d of pair t: dim d of keys 2t and 2t + 1).
+template <int D>
+struct Tile {
+  alignas(64) uint32_t keys[D / 2][kTileKeys];
+  alignas(64) uint32_t values[kTileKeys / 2][D];
+
+  void load(const c10::BFloat16* k, const c10::BFloat16* v, const int64_t* slots, int count,
+            int64_t stride) {
+    for (int j = 0; j < kTileKeys; ++j) {
+      const auto* key = reinterpret_cast<const uint32_t*>(k + slots[j] * stride);
+      for (int p = 0; p < D / 2; ++p) keys[p][j] = j < count ? key[p] : 0u;
+    }
+    for (int t = 0; t < kTileKeys / 2; ++t) {
+      // Zeros past the last key: its softmax weight is 0, and 0 * garbage may be NaN.
+      const auto* even = reinterpret_cast<const uint16_t*>(v + slots[2 * t] * stride);
+      const auto* odd = reinterpret_cast<const uint16_t*>(v + slots[2 * t + 1] * stride);
+      const uint32_t keep_even = 2 * t < count ? 0xffffu : 0u;
+      const uint32_t keep_odd = 2 * t + 1 < count ? 0xffffu : 0u;
+      for (int d = 0; d < D; ++d)
+        values[t][d] = (even[d] & keep_even) | (uint32_t(odd[d] & keep_odd) << 16);
+    }
+  }
+};
+
+// The running softmax of R query rows over one tile: scores, masks, then
+// out = out * shrink + weights @ values. The weights are rounded to bf16 for that product,
+// as flash attention does on GPUs (the output is rounded to bf16 anyway).
+template <int D, int R>
+void attend_rows(const Tile<D>& tile, const uint32_t* const* query, const __mmask32* valid,
+                 float scale, float* peak, float* total, float* out) {
+  __m512 s[R][2];
+  for (int u = 0; u < R; ++u) s[u][0] = s[u][1] = _mm512_setzero_ps();
+  for (int p = 0; p < D / 2; ++p) {
+    const __m512bh lo = bf16_pairs(tile.keys[p]), hi = bf16_pairs(tile.keys[p] + 16);
+    for (int u = 0; u < R; ++u) {
+      const __m512bh q = (__m512bh)_mm512_set1_epi32(query[u][p]);
+      s[u][0] = _mm512_dpbf16_ps(s[u][0], lo, q);
+      s[u][1] = _mm512_dpbf16_ps(s[u][1], hi, q);
+    }
+  }
+  alignas(64) uint32_t pairs[R][kTileKeys / 2];
+  float shrink[R];
+  for (int u = 0; u < R; ++u) {
+    const __m512 masked = _mm512_set1_ps(kMasked), factor = _mm512_set1_ps(scale);
+    const __mmask16 v0 = static_cast<__mmask16>(valid[u]), v1 = static_cast<__mmask16>(valid[u] >> 16);
+    const __m512 s0 = _mm512_mask_mul_ps(masked, v0, s[u][0], factor);
+    const __m512 s1 = _mm512_mask_mul_ps(masked, v1, s[u][1], factor);
+    const float best = std::max(peak[u], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+    const __m512 top = _mm512_set1_ps(best);
+    const __m512 w0 = _mm512_maskz_mov_ps(v0, exp_nonpositive(_mm512_sub_ps(s0, top)));
+    const __m512 w1 = _mm512_maskz_mov_ps(v1, exp_nonpositive(_mm512_sub_ps(s1, top)));
+    shrink[u] = std::exp(peak[u] - best);
+    peak[u] = best;
+    total[u] = total[u] * shrink[u] + _mm512_reduce_add_ps(_mm512_add_ps(w0, w1));
+    _mm512_store_si512(pairs[u], (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+  }
+  constexpr int C = D < 64 ? D / 16 : 4;  // vectors of each row's output per pass
+  for (int c = 0; c < D; c += 16 * C) {
+    __m512 o[R][C];
+    for (int u = 0; u < R; ++u)
+      for (int i = 0; i < C; ++i)
+        o[u][i] = _mm512_mul_ps(_mm512_loadu_ps(out + u * D + c + 16 * i), _mm512_set1_ps(shrink[u]));
+    for (int t = 0; t < kTileKeys / 2; ++t) {
+      __m512bh v[C];
+      for (int i = 0; i < C; ++i) v[i] = bf16_pairs(tile.values[t] + c + 16 * i);
+      for (int u = 0; u < R; ++u) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pairs[u][t]);
+        for (int i = 0; i < C; ++i) o[u][i] = _mm512_dpbf16_ps(o[u][i], v[i], w);
+      }
+    }
+    for (int u = 0; u < R; ++u)
+      for (int i = 0; i < C; ++i) _mm512_storeu_ps(out + u * D + c + 16 * i, o[u][i]);
+  }
+}
+
+template <int D>
+void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+             const at::Tensor& block_tables, const at::Tensor& num_keys, int64_t n,
+             int64_t window, double scale, at::Tensor& out) {
+  using T = c10::BFloat16;
+  const int64_t heads = q.size(1), batch = q.size(0) / n;
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads, table_width = block_tables.size(1);
+  const int64_t tiles = (n + kTileQueries - 1) / kTileQueries;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lengths = num_keys.data_ptr<int64_t>();
+  const int64_t stride = kv_heads * D;
+  const float scaled = static_cast<float>(scale);
+
+  // Items are (sequence, KV head, tile of queries); an item's rows are its queries' heads
+  // that share the KV head, and it walks its keys once, a tile at a time.
+  at::parallel_for(0, batch * kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    auto tile = std::make_unique<Tile<D>>();
+    std::vector<float> acc(kTileQueries * group * D), peak(kTileQueries * group),
+        total(kTileQueries * group);
+    int64_t slots[kTileKeys];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (kv_heads * tiles), h = item / tiles % kv_heads;
+      const int64_t q0 = item % tiles * kTileQueries, q1 = std::min(n, q0 + kTileQueries);
+      const int64_t first_pos = lengths[b] - n;  // the key position of query 0
+      const int64_t* table = tables + b * table_width;
+      const int64_t rows = (q1 - q0) * group;
+      std::fill(acc.begin(), acc.begin() + rows * D, 0.0f);
+      std::fill(peak.begin(), peak.begin() + rows, kMasked);
+      std::fill(total.begin(), total.begin() + rows, 0.0f);
+      const int64_t last_key = first_pos + q1 - 1;
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_pos + q0 - window + 1) : 0;
+      for (int64_t k0 = first_key; k0 <= last_key; k0 += kTileKeys) {
+        const int count = static_cast<int>(std::min<int64_t>(kTileKeys, last_key + 1 - k0));
+        for (int j = 0; j < kTileKeys; ++j) {
+          const int64_t key = k0 + std::min(j, count - 1);  // padding repeats a real slot
+          slots[j] = table[key / block_size] * block_size + key % block_size;
+        }
+        tile->load(kp + h * D, vp + h * D, slots, count, stride);
+        // The rows whose query sees some key of the tile, consecutive, kBlockRows at a time.
+        const uint32_t* query[kBlockRows];
+        __mmask32 valid[kBlockRows];
+        int64_t first_row = 0;
+        int ready = 0;
+        auto flush = [&] {
+          float* pk = peak.data() + first_row;
+          float* tt = total.data() + first_row;
+          float* o = acc.data() + first_row * D;
+          switch (ready) {
+            case 1: attend_rows<D, 1>(*tile, query, valid, scaled, pk, tt, o); break;
+            case 2: attend_rows<D, 2>(*tile, query, valid, scaled, pk, tt, o); break;
+            case 3: attend_rows<D, 3>(*tile, query, valid, scaled, pk, tt, o); break;
+            case 4: attend_rows<D, 4>(*tile, query, valid, scaled, pk, tt, o); break;
+          }
+          ready = 0;
+        };
+        for (int64_t i = std::max(q0, k0 - first_pos); i < q1; ++i) {
+          const int64_t pos = first_pos + i;
+          const int64_t low = window > 0 ? pos - window + 1 : 0;  // its first key in window
+          if (k0 + count - 1 < low) continue;
+          // Keys it attends: from `low` up to its own position, not past the tile's last key.
+          const int64_t from = std::max<int64_t>(low - k0, 0);
+          const int64_t to = std::min<int64_t>(pos - k0, count - 1);
+          const __mmask32 mask = static_cast<__mmask32>(((uint64_t(2) << to) - 1) & ~((uint64_t(1) << from) - 1));
+          for (int64_t g = 0; g < group; ++g) {
+            if (ready == 0) first_row = (i - q0) * group + g;
+            query[ready] = reinterpret_cast<const uint32_t*>(qp + ((b * n + i) * heads + h * group + g) * D);
+            valid[ready] = mask;
+            if (++ready == kBlockRows) flush();
+          }
+        }
+        if (ready) flush();
+      }
+      for (int64_t i = q0; i < q1; ++i)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = (i - q0) * group + g;
+          T* dst = op + ((b * n + i) * heads + h * group + g) * D;
+          for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] / total[r]);
+        }
+    }
+  });
+}
+#endif
+
+// Prompt chunks on the bf16 kernel above, where it was compiled; else the caller's fallback.
+template <typename T, int D>
+void prefill_dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& num_keys, int64_t n,
+                      int64_t window, double scale, at::Tensor& out) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0)
+    return prefill<D>(q, k_cache, v_cache, block_tables, num_keys, n, window, scale, out);
+#endif
+  TORCH_CHECK(false, "paged_attention: prompt chunks need bf16, a head size that is a multiple"
+                     " of 32, and a CPU with AVX512-BF16");
+}
+
+// q [B * n, H, D]: n new queries per sequence, the last n of its keys (already in the cache);
+// k_cache, v_cache [blocks, block_size, Hkv, D]; block_tables [B, width] int64; num_keys [B]
+// int64: sequence b has keys 0 .. num_keys[b] - 1 of its table. Query i of sequence b, at key
+// position num_keys[b] - n + i, attends the keys up to its own, the last `window` of them when
+// window > 0. Returns [B * n, H, D].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& num_keys, int64_t n, int64_t window, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type());
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3));
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && num_keys.scalar_type() == at::kLong);
+  TORCH_CHECK(n >= 1 && q.size(0) == n * block_tables.size(0) && num_keys.size(0) == block_tables.size(0));
   auto tables = block_tables.contiguous();
   auto lengths = num_keys.contiguous();
   auto out = at::empty_like(q);
   // The head size is a template argument, so the loops over it unroll and vectorize.
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    auto run = [&](auto head_dim) {
+      constexpr int D = decltype(head_dim)::value;
+      if (n == 1) return decode<scalar_t, D>(q, k_cache, v_cache, tables, lengths, window, scale, out);
+      prefill_dispatch<scalar_t, D>(q, k_cache, v_cache, tables, lengths, n, window, scale, out);
+    };
     switch (q.size(2)) {
-      case 16: return decode<scalar_t, 16>(q, k_cache, v_cache, tables, lengths, window, scale, out);
-      case 32: return decode<scalar_t, 32>(q, k_cache, v_cache, tables, lengths, window, scale, out);
-      case 64: return decode<scalar_t, 64>(q, k_cache, v_cache, tables, lengths, window, scale, out);
-      case 128: return decode<scalar_t, 128>(q, k_cache, v_cache, tables, lengths, window, scale, out);
-      case 256: return decode<scalar_t, 256>(q, k_cache, v_cache, tables, lengths, window, scale, out);
-      default: TORCH_CHECK(false, "paged_decode: head size ", q.size(2), " is not 16, 32, 64, 128 or 256");
+      case 16: return run(std::integral_constant<int, 16>());
+      case 32: return run(std::integral_constant<int, 32>());
+      case 64: return run(std::integral_constant<int, 64>());
+      case 128: return run(std::integral_constant<int, 128>());
+      case 256: return run(std::integral_constant<int, 256>());
+      default: TORCH_CHECK(false, "paged_attention: head size ", q.size(2), " is not 16, 32, 64, 128 or 256");
     }
   });
   return out;
@@ -143,4 +366,4 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_attention", &paged_attention); }

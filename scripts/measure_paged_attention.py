@@ -1,0 +1,107 @@
+"""Steps with our paged attention kernel against the paths it replaced, side by side in one
+process (rounds interleaved, so drift hits both alike). Medians of ROUNDS steps.
+
+Decodes (--shapes BATCHxCONTEXT) against the SDPA paths; prompt chunks (--chunks
+TOKENSxHISTORY: one chunk after that many cached tokens) against the CPU flash op.
+
+    flock /work/bench.lock .venv/bin/python scripts/measure_paged_attention.py MODEL_DIR \
+        [--dtype bfloat16] [--shapes 1x512,4x512,16x1536,32x1024] [--chunks 512x0,512x7680]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from gapless.engine.request import Request
+from gapless.engine.runner import ModelRunner
+from gapless.engine.sampling_params import SamplingParams
+from gapless.engine.scheduler import ScheduledChunk
+from gapless.kernels import Kernels, tune_allocator
+from gapless.model.loader import load_decoder
+
+ROUNDS, BLOCK = 8, 16
+
+
+def prefilled(runner: ModelRunner, batch: int, context: int) -> list[Request]:
+    """batch sequences with context tokens cached, each in its own blocks, and room for
+    ROUNDS * 2 more tokens or one chunk."""
+    per_seq = runner.num_blocks // batch
+    requests = []
+    for b in range(batch):
+        ids = [int(i) for i in torch.randint(100, 4000, (per_seq * BLOCK,))]
+        request = Request(f"d{b}", ids, SamplingParams())
+        request.block_table = list(range(b * per_seq, (b + 1) * per_seq))
+        for start in range(0, context, 2048):
+            n = min(2048, context - start)
+            runner.execute([ScheduledChunk(request, n)], set())
+            request.num_computed += n
+        requests.append(request)
+    return requests
+
+
+def step(runner: ModelRunner, requests: list[Request], tokens: int) -> float:
+    """A decode step (tokens 1), or the same prompt chunk again."""
+    start = time.perf_counter()
+    runner.execute([ScheduledChunk(r, tokens) for r in requests], set())
+    if tokens == 1:
+        for r in requests:
+            r.num_computed += 1
+    return time.perf_counter() - start
+
+
+def compare(
+    kernels: Kernels, switch: str, runner: ModelRunner, requests: list[Request], tokens: int
+) -> str:
+    """Median ms per step without and with the kernel, and their ratio."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(ROUNDS):
+        for paged in (False, True):
+            setattr(kernels, switch, paged)
+            times[paged].append(step(runner, requests, tokens))
+    setattr(kernels, switch, True)
+    before, ours = (1e3 * statistics.median(times[p]) for p in (False, True))
+    return f"{before:10.1f} {ours:7.1f} {before / ours:5.2f}x"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--shapes", default="1x512,4x512,16x1536,32x1024", help="BATCHxCONTEXT")
+    parser.add_argument("--chunks", default="", help="TOKENSxHISTORY, e.g. 512x0,512x7680")
+    args = parser.parse_args()
+    tune_allocator()
+    torch.set_num_threads(2)
+    decoder = load_decoder(args.model_dir, args.dtype)
+    kernels = decoder.kernels
+    print(f"{args.model_dir}, {args.dtype}, 2 threads; step ms, median of {ROUNDS}")
+    if args.shapes:
+        if not kernels.paged_decode:
+            raise SystemExit("decodes: the paged kernel is not available here")
+        print(f"{'batch':>5} {'context':>7} {'SDPA paths':>10} {'paged':>7} {'ratio':>6}")
+    for shape in filter(None, args.shapes.split(",")):
+        batch, context = (int(x) for x in shape.split("x"))
+        runner = ModelRunner(decoder, batch * (context // BLOCK + 4), BLOCK)
+        requests = prefilled(runner, batch, context)
+        print(f"{batch:5} {context:7} {compare(kernels, 'paged_decode', runner, requests, 1)}")
+        del runner
+    if args.chunks:
+        if not kernels.paged_prefill:
+            raise SystemExit("prompt chunks: the paged kernel is not available here")
+        print(f"{'chunk':>5} {'history':>7} {'flash op':>10} {'paged':>7} {'ratio':>6}")
+    for shape in filter(None, args.chunks.split(",")):
+        tokens, history = (int(x) for x in shape.split("x"))
+        runner = ModelRunner(decoder, (history + tokens) // BLOCK + 4, BLOCK)
+        requests = prefilled(runner, 1, history)
+        print(
+            f"{tokens:5} {history:7} {compare(kernels, 'paged_prefill', runner, requests, tokens)}"
+        )
+        del runner
+
+
+if __name__ == "__main__":
+    main()
