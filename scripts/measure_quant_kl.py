@@ -59,8 +59,9 @@ def main() -> None:
     with torch.no_grad():
         want = hf.eval()(torch.tensor([ids])).logits[0]
     print(f"{len(ids)} tokens of {TEXT}; KL(reference || ours), nats, mean over tokens")
-    # Chunks of 16 run every row on the int kernels, chunks of 512 on the dense path (the
-    # Q4_1 file's dense path is float32-exact: tests/test_smollm2.py).
+    # Chunks of 16 run every row on the int kernels, chunks of 512 on the dense path, which
+    # multiplies in bf16 where the CPU does that fast (kernels.quant_dense_dtype), float32
+    # elsewhere.
     print(f"Q4_1 file, int4 kernel (chunks of 16): {mean_kl(want, logits(decoder, ids, 16)):.5f}")
     with tempfile.TemporaryDirectory() as float_dir:
         # save_pretrained refuses a model loaded from GGUF; the tied lm_head is not saved.
