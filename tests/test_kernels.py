@@ -43,22 +43,28 @@ def test_startup_names_the_kernels_in_one_line(caplog, monkeypatch):
         kernels.select(CPU, torch.float32)
 
 
-def test_quantized_weights_run_float32_with_bf16_prefill_where_bf16_is_fast(monkeypatch):
+def test_quantized_weights_run_float32_with_bf16_compute_where_bf16_is_fast(monkeypatch):
     isa = ("avx2", "avx512", "avx512-bf16")
     monkeypatch.setattr(kernels, "machine", lambda: Machine("Zen 4", isa, "AVX512_CORE", None))
     monkeypatch.setattr(kernels, "packed_linear_works", lambda dtype: True)
     assert kernels.resolve_dtype("auto", CPU) == torch.bfloat16
     assert kernels.resolve_dtype("auto", CPU, quantized=True) == torch.float32
     assert kernels.resolve_dtype("auto", torch.device("cuda"), quantized=True) == torch.bfloat16
+    chosen = kernels.select(CPU, torch.float32, quantized=True)
+    assert chosen.kv_dtype == torch.bfloat16
+    assert "bfloat16 KV cache and attention" in chosen.describe()
     q = quantize_int4(torch.randn(32, 64), 32)
-    linear = kernels.select(CPU, torch.float32).linear(q)
+    linear = chosen.linear(q)
     assert linear.dense_dtype == torch.bfloat16
     x = torch.randn(40, 64)  # more rows than the int kernel takes: the dense path
     want = F.linear(x.bfloat16(), q.dequantize(torch.bfloat16)).float()
     assert torch.equal(linear(x), want)
-    assert kernels.select(CPU, torch.bfloat16).linear(q).dense_dtype is None
+    # Float weights stay float32 throughout; so does the fallback.
+    assert kernels.select(CPU, torch.float32).kv_dtype == torch.float32
+    assert kernels.select(CPU, torch.bfloat16, quantized=True).linear(q).dense_dtype is None
     monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
-    assert kernels.select(CPU, torch.float32).linear(q).dense_dtype is None
+    forced = kernels.select(CPU, torch.float32, quantized=True)
+    assert forced.linear(q).dense_dtype is None and forced.kv_dtype == torch.float32
 
 
 def test_cuda_gets_public_ops():

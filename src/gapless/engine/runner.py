@@ -46,8 +46,8 @@ class ModelRunner:
         # Zeroed, not empty: padded attention reads masked slots, and 0 * NaN would poison it.
         self.kv_cache = [
             (
-                torch.zeros(shape, dtype=decoder.dtype, device=decoder.device),
-                torch.zeros(shape, dtype=decoder.dtype, device=decoder.device),
+                torch.zeros(shape, dtype=self.kernels.kv_dtype, device=decoder.device),
+                torch.zeros(shape, dtype=self.kernels.kv_dtype, device=decoder.device),
             )
             for _ in range(cfg.num_layers)
         ]
@@ -55,7 +55,9 @@ class ModelRunner:
     @staticmethod
     def kv_bytes_per_token(decoder: Decoder) -> int:
         cfg = decoder.config
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * decoder.embed.element_size()
+        return (
+            2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * decoder.kernels.kv_dtype.itemsize
+        )
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies the K/V of block src into block dst, for each (src, dst)."""
@@ -159,7 +161,7 @@ class ModelRunner:
         causal = (delta >= 0) & valid
         allowed = {w: causal if w is None else causal & (delta < w) for w in self.windows}
         # Additive float masks, built once per step: SDPA would convert a bool mask per layer.
-        zeros = torch.zeros(causal.shape, dtype=self.decoder.dtype, device=causal.device)
+        zeros = torch.zeros(causal.shape, dtype=self.kernels.kv_dtype, device=causal.device)
         return {w: zeros.masked_fill(~m, float("-inf")) for w, m in allowed.items()}
 
     def _history_runs(self, end: int, blocks: list[int]) -> list[tuple[int, int]] | None:

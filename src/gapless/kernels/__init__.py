@@ -71,10 +71,15 @@ class Kernels:
     int_kernel_max_rows: int = QUANT_KERNEL_MAX_ROWS
     paged_decode: bool = False  # decodes on our kernel (paged.py), else on SDPA
     paged_prefill: bool = False  # prompt chunks attend on it too, else on attention.py
-    # The dtype the quantized linears' larger batches multiply in; None: the run dtype.
-    # bfloat16 in a float32 run on CPUs that multiply it fast: prompt chunks then run near
-    # bf16 speed while the residual stream, norms and attention stay float32.
-    quant_dense_dtype: torch.dtype | None = None
+    # A float32 run of quantized weights on a CPU that multiplies bf16 fast computes in bf16
+    # where that costs little accuracy, and keeps the residual stream and norms in float32
+    # (see resolve_dtype). These say where; None: the run dtype.
+    quant_dense_dtype: torch.dtype | None = None  # the quantized linears' larger batches
+    attention_dtype: torch.dtype | None = None  # the KV cache and attention
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.attention_dtype or self.dtype
 
     def linear(self, weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None) -> Linear:
         rows, dense = self.int_kernel_max_rows, self.quant_dense_dtype
@@ -106,6 +111,8 @@ class Kernels:
         """Attention of the batch's queries q [T, H, D], whose own keys and values k, v
         [T, Hkv, D] are already in kv_cache, for a layer with this window. Returns [T, H * D]."""
         k_cache, v_cache = kv_cache
+        run_dtype = q.dtype
+        q, k, v = (t.to(k_cache.dtype) for t in (q, k, v))
         out = None
         for g in groups:
             if g.num_keys is not None:
@@ -119,11 +126,11 @@ class Kernels:
             else:
                 o = attention.gathered(q[g.rows], k_cache, v_cache, g, g.masks[window])
             if len(groups) == 1:
-                return o
+                return o.to(run_dtype)
             if out is None:
                 out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
             out[g.rows] = o
-        return out
+        return out.to(run_dtype)
 
     def describe(self) -> str:
         m = machine()
@@ -140,6 +147,8 @@ class Kernels:
         )
         if self.quant_dense_dtype:
             quant += f", quantized prefill on {_name(self.quant_dense_dtype)}"
+        if self.attention_dtype:
+            decode += f", {_name(self.attention_dtype)} KV cache and attention"
         return f"kernels: {where}, {dtype} {linear} linear, {attn} attention, {decode}, {quant}"
 
 
@@ -160,22 +169,25 @@ def _fast_cpu_half(dtype: torch.dtype) -> bool:
     return machine().fast_cpu_bf16 and packed_linear_works(dtype)
 
 
-def select(device: torch.device, dtype: torch.dtype) -> Kernels:
-    """The fastest kernels the probe finds working for this device and dtype; logs them."""
+def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) -> Kernels:
+    """The fastest kernels the probe finds working for this device and dtype, for a model
+    with quantized weights or not; logs them."""
     fallback = _forced_fallback()
     cpu = device.type == "cpu" and not fallback
+    fast_bf16 = cpu and quantized and dtype == torch.float32 and _fast_cpu_half(torch.bfloat16)
+    half = torch.bfloat16 if fast_bf16 else None
+    kv_dtype = half or dtype
     kernels = Kernels(
         device,
         dtype,
         packed_linear=cpu and packed_linear_works(dtype),
-        in_place_attention=cpu and cpu_flash_works(dtype),
-        paged_decode=cpu and paged_decode_works(dtype),
-        paged_prefill=cpu and paged_prefill_works(dtype),
+        in_place_attention=cpu and cpu_flash_works(kv_dtype),
+        paged_decode=cpu and paged_decode_works(kv_dtype),
+        paged_prefill=cpu and paged_prefill_works(kv_dtype),
         int8_dtype=None if fallback else _int_kernel_dtype(int8_mm_works, device, dtype),
         int4_dtype=None if fallback else _int_kernel_dtype(int4_mm_works, device, dtype),
-        quant_dense_dtype=torch.bfloat16
-        if cpu and dtype == torch.float32 and _fast_cpu_half(torch.bfloat16)
-        else None,
+        quant_dense_dtype=half,
+        attention_dtype=half,
     )
     log.info(kernels.describe())
     if device.type == "cpu" and dtype != torch.float32 and not _fast_cpu_half(dtype):
@@ -203,10 +215,12 @@ def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> t
     """`auto` is bfloat16 on CUDA, and on CPUs with AMX/AVX512-BF16 where the packed bf16
     linear works; float32 elsewhere, and for quantized weights on every CPU.
 
-    Quantized linears multiply in bfloat16 where that is fast anyway (int8_dtype,
-    int4_dtype, quant_dense_dtype), so float32 costs them little: SmolLM2's Q4_1 decode step
-    was no slower. But a bfloat16 residual stream changed the default model's greedy answers
-    ("What is the capital of France?" got "L'Étoile, la Marseillaise, ...", float32 "Paris").
+    Quantized weights already round activations to bfloat16 where that is fast (the int
+    kernels), so their float32 runs compute in bf16 wherever it costs little accuracy: the
+    linears and attention over a bf16 KV cache (Kernels.quant_dense_dtype, attention_dtype).
+    What stays float32 is the residual stream and the norms: in bfloat16 they changed the
+    default model's greedy answers ("What is the capital of France?" got "L'Étoile, la
+    Marseillaise, ...", float32 "Paris").
     """
     if name == "auto":
         if device.type == "cuda":

@@ -238,7 +238,7 @@ def load_gguf(
             unpermute = functools.partial(unpermute_rope_rows, num_heads=heads)
             w = w.map_rows(unpermute) if isinstance(w, GroupQuant) else unpermute(w)
         weights[hf_name] = w
-    decoder = build_decoder(cfg, weights, select(dev, run_dtype), quantize_fn, parallel)
+    decoder = build_decoder(cfg, weights, select(dev, run_dtype, quantized), quantize_fn, parallel)
     return decoder, tokenizer_from_gguf(reader)
 
 

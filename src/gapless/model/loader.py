@@ -130,9 +130,10 @@ def load_decoder(
     quantize_fn = quantizer(quantize, group_size)
     cfg = ModelConfig.from_pretrained(path)
     dev = torch.device(device)
-    dt = resolve_dtype(dtype, dev, quantized=quantize is not None)
+    quantized = quantize is not None
+    dt = resolve_dtype(dtype, dev, quantized)
     weights = load_weights(path, cfg, dt, dev)
-    return build_decoder(cfg, weights, select(dev, dt), quantize_fn, parallel)
+    return build_decoder(cfg, weights, select(dev, dt, quantized), quantize_fn, parallel)
 
 
 Weight = torch.Tensor | GroupQuant
