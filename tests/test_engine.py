@@ -390,3 +390,35 @@ def test_fail_all_ends_every_live_request_and_frees_its_blocks(make_engine):
         queued: ("error", "boom"),
     }
     assert engine.pool.num_used == 0 and not engine.has_work
+
+
+def test_server_engine_steps_on_the_thread_that_loaded_it(checkpoint):
+    """The server loads its engine on engine_thread() and steps it there: a second thread
+    running torch ops beside the loader made every op ~5x slower here (libgomp)."""
+    import asyncio
+    import threading
+
+    from gapless.engine.async_engine import AsyncEngine, engine_thread
+
+    thread = engine_thread()
+    engine = thread.submit(Engine.from_pretrained, checkpoint("llama")).result()
+    loaded_on = thread.submit(threading.get_ident).result()
+    stepped_on = set()
+    step = engine.step
+
+    def recorded_step():
+        stepped_on.add(threading.get_ident())
+        return step()
+
+    engine.step = recorded_step
+    async_engine = AsyncEngine(engine, thread)
+    async_engine.start()
+
+    async def generate() -> list[object]:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        return [event async for event in async_engine.stream([5, 6, 7], params)]
+
+    events = asyncio.run(generate())
+    async_engine.stop()
+    assert isinstance(events[-1], FinishedEvent) and events[-1].finish_reason == "length"
+    assert stepped_on == {loaded_on}

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -121,8 +122,10 @@ class GaplessServer:
         host: str = "127.0.0.1",
         port: int = 8000,
         log_level: str = "info",
+        engine_thread: ThreadPoolExecutor | None = None,
     ) -> None:
-        self.state = ServerState(engine, settings)
+        """engine_thread: the thread the engine was loaded on (async_engine.engine_thread)."""
+        self.state = ServerState(engine, settings, engine_thread)
         self.app = build_app(self.state)
         config = uvicorn.Config(
             self.app,

@@ -200,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from gapless.engine import distributed
+    from gapless.engine.async_engine import engine_thread
     from gapless.engine.engine import Engine
     from gapless.model.gguf import is_gguf, model_name
     from gapless.server.app import GaplessServer, ServerSettings
@@ -235,8 +236,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("bad option: %s", e)
         return 2
+    thread = engine_thread()  # loads the engine, then steps it
     try:
-        engine = Engine.from_pretrained(model_dir, config, launch)
+        engine = thread.submit(Engine.from_pretrained, model_dir, config, launch).result()
     except (OSError, ValueError) as e:
         log.error("cannot load %s: %s", model_dir, e)
         return 2
@@ -255,7 +257,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine.pool.num_blocks,
         engine.pool.block_size,
     )
-    server = GaplessServer(engine, settings, args.host, args.port, args.log_level)
+    server = GaplessServer(engine, settings, args.host, args.port, args.log_level, thread)
     return server.run()
 
 

@@ -15,6 +15,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +51,11 @@ class ServerSettings:
 
 
 class ServerState:
-    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+    def __init__(
+        self, engine: Engine, settings: ServerSettings, thread: ThreadPoolExecutor | None = None
+    ) -> None:
         self.engine = engine
-        self.async_engine = AsyncEngine(engine)
+        self.async_engine = AsyncEngine(engine, thread)
         self.settings = settings
         self.created = protocol.now()
         self.draining = False
