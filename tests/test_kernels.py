@@ -67,6 +67,13 @@ def test_quantized_weights_run_float32_with_bf16_compute_where_bf16_is_fast(monk
     assert forced.linear(q).dense_dtype is None and forced.kv_dtype == torch.float32
 
 
+def test_amx_keeps_prompt_chunks_on_the_flash_op(monkeypatch):
+    isa = ("avx2", "avx512", "avx512-bf16", "amx")
+    monkeypatch.setattr(kernels, "machine", lambda: Machine("SPR", isa, "AVX512_CORE_AMX", None))
+    chosen = kernels.select(CPU, torch.bfloat16)
+    assert not chosen.paged_prefill and not chosen.prefills_paged(64)
+
+
 def test_cuda_gets_public_ops():
     chosen = kernels.Kernels(torch.device("cuda"), torch.bfloat16, False, False)
     assert isinstance(chosen.linear(torch.ones(4, 4)), PlainLinear)

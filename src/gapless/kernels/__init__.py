@@ -183,7 +183,9 @@ def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) ->
         packed_linear=cpu and packed_linear_works(dtype),
         in_place_attention=cpu and cpu_flash_works(kv_dtype),
         paged_decode=cpu and paged_decode_works(kv_dtype),
-        paged_prefill=cpu and paged_prefill_works(kv_dtype),
+        # With AMX the flash op's bf16 products run on AMX tiles; ours was never measured
+        # against it there, so it keeps the chunks (no AMX machine was at hand).
+        paged_prefill=cpu and "amx" not in machine().cpu_isa and paged_prefill_works(kv_dtype),
         int8_dtype=None if fallback else _int_kernel_dtype(int8_mm_works, device, dtype),
         int4_dtype=None if fallback else _int_kernel_dtype(int4_mm_works, device, dtype),
         quant_dense_dtype=half,
