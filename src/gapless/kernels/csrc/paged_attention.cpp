@@ -90,34 +90,54 @@ void attend(const float* __restrict query, const T* __restrict keys, const T* __
     for (int d = 0; d < D; ++d) acc[g * D + d] /= total[g];
 }
 
+// What both kernels read of their tensors: pointers, and the sizes that index them.
+template <typename T>
+struct PagedArgs {
+  const T* q;
+  const T* keys;
+  const T* values;
+  T* out;
+  const int64_t* tables;
+  const int64_t* lengths;
+  int64_t heads, block_size, kv_heads, group, table_width;
+  int64_t token_stride;  // elements between two slots of a head
+
+  PagedArgs(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& num_keys, at::Tensor& result)
+      : q(query.data_ptr<T>()),
+        keys(k_cache.data_ptr<T>()),
+        values(v_cache.data_ptr<T>()),
+        out(result.data_ptr<T>()),
+        tables(block_tables.data_ptr<int64_t>()),
+        lengths(num_keys.data_ptr<int64_t>()),
+        heads(query.size(1)),
+        block_size(k_cache.size(1)),
+        kv_heads(k_cache.size(2)),
+        group(heads / kv_heads),
+        table_width(block_tables.size(1)),
+        token_stride(kv_heads * query.size(2)) {}
+};
+
 template <typename T, int D>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& num_keys, int64_t window,
             double scale, at::Tensor& out) {
-  const int64_t batch = q.size(0), heads = q.size(1);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, table_width = block_tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lengths = num_keys.data_ptr<int64_t>();
-  const int64_t token_stride = kv_heads * D;  // elements between two slots of a head
+  const PagedArgs<T> a(q, k_cache, v_cache, block_tables, num_keys, out);
+  const int64_t batch = q.size(0);
 
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * D), acc(group * D), total(group), scores;
+  at::parallel_for(0, batch * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(a.group * D), acc(a.group * D), total(a.group), scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / kv_heads, h = item % kv_heads;
-      const int64_t n = lengths[b];
+      const int64_t b = item / a.kv_heads, h = item % a.kv_heads;
+      const int64_t n = a.lengths[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-      scores.resize(group * (n - first));
-      const T* qh = qp + (b * heads + h * group) * D;
-      for (int64_t i = 0; i < group * D; ++i) query[i] = to_float(qh[i]) * static_cast<float>(scale);
-      attend<T, D>(query.data(), kp + h * D, vp + h * D, tables + b * table_width, block_size,
-                   token_stride, first, n, group, scores.data(), total.data(), acc.data());
-      T* dst = op + (b * heads + h * group) * D;
-      for (int64_t i = 0; i < group * D; ++i) dst[i] = static_cast<T>(acc[i]);
+      scores.resize(a.group * (n - first));
+      const T* qh = a.q + (b * a.heads + h * a.group) * D;
+      for (int64_t i = 0; i < a.group * D; ++i) query[i] = to_float(qh[i]) * static_cast<float>(scale);
+      attend<T, D>(query.data(), a.keys + h * D, a.values + h * D, a.tables + b * a.table_width, a.block_size,
+                   a.token_stride, first, n, a.group, scores.data(), total.data(), acc.data());
+      T* dst = a.out + (b * a.heads + h * a.group) * D;
+      for (int64_t i = 0; i < a.group * D; ++i) dst[i] = static_cast<T>(acc[i]);
     }
   });
 }
@@ -232,32 +252,23 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
              const at::Tensor& block_tables, const at::Tensor& num_keys, int64_t n,
              int64_t window, double scale, at::Tensor& out) {
   using T = c10::BFloat16;
-  const int64_t heads = q.size(1), batch = q.size(0) / n;
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, table_width = block_tables.size(1);
-  const int64_t tiles = (n + kTileQueries - 1) / kTileQueries;
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lengths = num_keys.data_ptr<int64_t>();
-  const int64_t stride = kv_heads * D;
+  const PagedArgs<T> a(q, k_cache, v_cache, block_tables, num_keys, out);
+  const int64_t batch = q.size(0) / n, tiles = (n + kTileQueries - 1) / kTileQueries;
   const float scaled = static_cast<float>(scale);
 
   // Items are (sequence, KV head, tile of queries); an item's rows are its queries' heads
   // that share the KV head, and it walks its keys once, a tile at a time.
-  at::parallel_for(0, batch * kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, batch * a.kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
     auto tile = std::make_unique<Tile<D>>();
-    std::vector<float> acc(kTileQueries * group * D), peak(kTileQueries * group),
-        total(kTileQueries * group);
+    std::vector<float> acc(kTileQueries * a.group * D), peak(kTileQueries * a.group),
+        total(kTileQueries * a.group);
     int64_t slots[kTileKeys];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (kv_heads * tiles), h = item / tiles % kv_heads;
+      const int64_t b = item / (a.kv_heads * tiles), h = item / tiles % a.kv_heads;
       const int64_t q0 = item % tiles * kTileQueries, q1 = std::min(n, q0 + kTileQueries);
-      const int64_t first_pos = lengths[b] - n;  // the key position of query 0
-      const int64_t* table = tables + b * table_width;
-      const int64_t rows = (q1 - q0) * group;
+      const int64_t first_pos = a.lengths[b] - n;  // the key position of query 0
+      const int64_t* table = a.tables + b * a.table_width;
+      const int64_t rows = (q1 - q0) * a.group;
       std::fill(acc.begin(), acc.begin() + rows * D, 0.0f);
       std::fill(peak.begin(), peak.begin() + rows, kMasked);
       std::fill(total.begin(), total.begin() + rows, 0.0f);
@@ -267,9 +278,9 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
         const int count = static_cast<int>(std::min<int64_t>(kTileKeys, last_key + 1 - k0));
         for (int j = 0; j < kTileKeys; ++j) {
           const int64_t key = k0 + std::min(j, count - 1);  // padding repeats a real slot
-          slots[j] = table[key / block_size] * block_size + key % block_size;
+          slots[j] = table[key / a.block_size] * a.block_size + key % a.block_size;
         }
-        tile->load(kp + h * D, vp + h * D, slots, count, stride);
+        tile->load(a.keys + h * D, a.values + h * D, slots, count, a.token_stride);
         // The rows whose query sees some key of the tile, consecutive, kBlockRows at a time.
         const uint32_t* query[kBlockRows];
         __mmask32 valid[kBlockRows];
@@ -295,9 +306,9 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
           const int64_t from = std::max<int64_t>(low - k0, 0);
           const int64_t to = std::min<int64_t>(pos - k0, count - 1);
           const __mmask32 mask = static_cast<__mmask32>(((uint64_t(2) << to) - 1) & ~((uint64_t(1) << from) - 1));
-          for (int64_t g = 0; g < group; ++g) {
-            if (ready == 0) first_row = (i - q0) * group + g;
-            query[ready] = reinterpret_cast<const uint32_t*>(qp + ((b * n + i) * heads + h * group + g) * D);
+          for (int64_t g = 0; g < a.group; ++g) {
+            if (ready == 0) first_row = (i - q0) * a.group + g;
+            query[ready] = reinterpret_cast<const uint32_t*>(a.q + ((b * n + i) * a.heads + h * a.group + g) * D);
             valid[ready] = mask;
             if (++ready == kBlockRows) flush();
           }
@@ -305,9 +316,9 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
         if (ready) flush();
       }
       for (int64_t i = q0; i < q1; ++i)
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t r = (i - q0) * group + g;
-          T* dst = op + ((b * n + i) * heads + h * group + g) * D;
+        for (int64_t g = 0; g < a.group; ++g) {
+          const int64_t r = (i - q0) * a.group + g;
+          T* dst = a.out + ((b * n + i) * a.heads + h * a.group + g) * D;
           for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] / total[r]);
         }
     }
