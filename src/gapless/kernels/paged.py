@@ -53,7 +53,7 @@ def extension() -> ModuleType | None:
     # -ffast-math lets gcc vectorize expf; the kernel has no infinities or NaNs to lose.
     cflags = ["-O3", "-fopenmp", "-ffast-math", *flags]
     build_dir = build_directory()
-    log.info("kernels: loading the paged decode attention (built on first use, ~30 s)")
+    log.info("kernels: loading our paged attention kernel (built on first use, ~30 s)")
     try:
         import fcntl  # POSIX; elsewhere the ImportError below means SDPA decodes
 
@@ -71,7 +71,7 @@ def extension() -> ModuleType | None:
                 build_directory=str(build_dir),
             )
     except Exception as e:  # noqa: BLE001 - a compiler, ninja or headers missing, in many forms
-        log.warning("kernels: paged decode attention not built (%s); using SDPA", e)
+        log.warning("kernels: our paged attention kernel not built (%s); using the torch paths", e)
         return None
 
 
