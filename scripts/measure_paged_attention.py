@@ -77,30 +77,27 @@ def main() -> None:
     tune_allocator()
     torch.set_num_threads(2)
     decoder = load_decoder(args.model_dir, args.dtype)
-    kernels = decoder.kernels
     print(f"{args.model_dir}, {args.dtype}, 2 threads; step ms, median of {ROUNDS}")
-    if args.shapes:
-        if not kernels.paged_decode:
-            raise SystemExit("decodes: the paged kernel is not available here")
-        print(f"{'batch':>5} {'context':>7} {'SDPA paths':>10} {'paged':>7} {'ratio':>6}")
-    for shape in filter(None, args.shapes.split(",")):
-        batch, context = (int(x) for x in shape.split("x"))
-        runner = ModelRunner(decoder, batch * (context // BLOCK + 4), BLOCK)
-        requests = prefilled(runner, batch, context)
-        print(f"{batch:5} {context:7} {compare(kernels, 'paged_decode', runner, requests, 1)}")
-        del runner
-    if args.chunks:
-        if not kernels.paged_prefill:
-            raise SystemExit("prompt chunks: the paged kernel is not available here")
-        print(f"{'chunk':>5} {'history':>7} {'flash op':>10} {'paged':>7} {'ratio':>6}")
-    for shape in filter(None, args.chunks.split(",")):
-        tokens, history = (int(x) for x in shape.split("x"))
-        runner = ModelRunner(decoder, (history + tokens) // BLOCK + 4, BLOCK)
-        requests = prefilled(runner, 1, history)
-        print(
-            f"{tokens:5} {history:7} {compare(kernels, 'paged_prefill', runner, requests, tokens)}"
-        )
-        del runner
+    tables = (  # switch, shapes, their two columns, the path it replaces
+        ("paged_decode", args.shapes, "batch", "context", "SDPA paths"),
+        ("paged_prefill", args.chunks, "chunk", "history", "flash op"),
+    )
+    for switch, spec, first, second, before in tables:
+        shapes = [tuple(int(x) for x in shape.split("x")) for shape in spec.split(",") if shape]
+        if not shapes:
+            continue
+        if not getattr(decoder.kernels, switch):
+            raise SystemExit(f"{switch}: the paged kernel is not available here")
+        print(f"{first:>5} {second:>7} {before:>10} {'paged':>7} {'ratio':>6}")
+        for size, history in shapes:
+            # A decode step of `size` sequences, or one prompt chunk of `size` tokens.
+            batch, tokens = (size, 1) if switch == "paged_decode" else (1, size)
+            runner = ModelRunner(decoder, batch * ((history + tokens) // BLOCK + 4), BLOCK)
+            requests = prefilled(runner, batch, history)
+            print(
+                f"{size:5} {history:7} {compare(decoder.kernels, switch, runner, requests, tokens)}"
+            )
+            del runner
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def main() -> None:
         want = hf.eval()(torch.tensor([ids])).logits[0]
     print(f"{len(ids)} tokens of {TEXT}; KL(reference || ours), nats, mean over tokens")
     # Chunks of 16 run every row on the int kernels, chunks of 512 on the dense path, which
-    # multiplies in bf16 where the CPU does that fast (kernels.quant_dense_dtype), float32
+    # multiplies in bf16 where the CPU does that fast (Kernels.reduced_dtype), float32
     # elsewhere.
     print(f"Q4_1 file, int4 kernel (chunks of 16): {mean_kl(want, logits(decoder, ids, 16)):.5f}")
     with tempfile.TemporaryDirectory() as float_dir:

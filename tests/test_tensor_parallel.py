@@ -87,7 +87,7 @@ def test_int4_weights_shard_along_their_groups(checkpoint, tp2):
         assert torch.equal(half.scale, whole.scale[:, :groups])
     got = run_chunks(runner, Seq(ids, 0), [40])
     # Where the CPU multiplies bf16 fast, each rank's partial sums are rounded to bf16.
-    tol = 1e-4 if one.kernels.quant_dense_dtype is None else 0.05
+    tol = 1e-4 if one.kernels.reduced_dtype is None else 0.05
     assert (expected - got).abs().max().item() < tol * expected.abs().max().item()
 
 

@@ -72,17 +72,17 @@ class Kernels:
     paged_decode: bool = False  # decodes on our kernel (paged.py), else on SDPA
     paged_prefill: bool = False  # prompt chunks attend on it too, else on attention.py
     # A float32 run of quantized weights on a CPU that multiplies bf16 fast computes in bf16
-    # where that costs little accuracy, and keeps the residual stream and norms in float32
-    # (see resolve_dtype). These say where; None: the run dtype.
-    quant_dense_dtype: torch.dtype | None = None  # the quantized linears' larger batches
-    attention_dtype: torch.dtype | None = None  # the KV cache and attention
+    # where that costs little accuracy (the quantized linears' larger batches, the KV cache
+    # and attention), and keeps the residual stream and norms in float32 (see resolve_dtype).
+    # None: the run dtype everywhere.
+    reduced_dtype: torch.dtype | None = None
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        return self.attention_dtype or self.dtype
+        return self.reduced_dtype or self.dtype
 
     def linear(self, weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None) -> Linear:
-        rows, dense = self.int_kernel_max_rows, self.quant_dense_dtype
+        rows, dense = self.int_kernel_max_rows, self.reduced_dtype
         if isinstance(weight, GroupQuant) and weight.codes.dtype == torch.int8:
             return Int8Linear(weight, bias, self.int8_dtype, rows, dense)
         if isinstance(weight, GroupQuant):
@@ -145,10 +145,9 @@ class Kernels:
             f"{name} kernel on {_name(dt)}" if dt else f"{name} dequantized"
             for name, dt in (("int8", self.int8_dtype), ("int4", self.int4_dtype))
         )
-        if self.quant_dense_dtype:
-            quant += f", quantized prefill on {_name(self.quant_dense_dtype)}"
-        if self.attention_dtype:
-            decode += f", {_name(self.attention_dtype)} KV cache and attention"
+        if self.reduced_dtype:
+            quant += f", quantized prefill on {_name(self.reduced_dtype)}"
+            decode += f", {_name(self.reduced_dtype)} KV cache and attention"
         return f"kernels: {where}, {dtype} {linear} linear, {attn} attention, {decode}, {quant}"
 
 
@@ -175,8 +174,8 @@ def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) ->
     fallback = _forced_fallback()
     cpu = device.type == "cpu" and not fallback
     fast_bf16 = cpu and quantized and dtype == torch.float32 and _fast_cpu_half(torch.bfloat16)
-    half = torch.bfloat16 if fast_bf16 else None
-    kv_dtype = half or dtype
+    reduced = torch.bfloat16 if fast_bf16 else None
+    kv_dtype = reduced or dtype
     kernels = Kernels(
         device,
         dtype,
@@ -188,8 +187,7 @@ def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) ->
         paged_prefill=cpu and "amx" not in machine().cpu_isa and paged_prefill_works(kv_dtype),
         int8_dtype=None if fallback else _int_kernel_dtype(int8_mm_works, device, dtype),
         int4_dtype=None if fallback else _int_kernel_dtype(int4_mm_works, device, dtype),
-        quant_dense_dtype=half,
-        attention_dtype=half,
+        reduced_dtype=reduced,
     )
     log.info(kernels.describe())
     if device.type == "cpu" and dtype != torch.float32 and not _fast_cpu_half(dtype):
@@ -219,7 +217,7 @@ def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> t
 
     Quantized weights already round activations to bfloat16 where that is fast (the int
     kernels), so their float32 runs compute in bf16 wherever it costs little accuracy: the
-    linears and attention over a bf16 KV cache (Kernels.quant_dense_dtype, attention_dtype).
+    linears and attention over a bf16 KV cache (Kernels.reduced_dtype).
     What stays float32 is the residual stream and the norms: in bfloat16 they changed the
     default model's greedy answers ("What is the capital of France?" got "L'Étoile, la
     Marseillaise, ...", float32 "Paris").

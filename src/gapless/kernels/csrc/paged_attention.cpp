@@ -4,13 +4,12 @@
 // Decodes (one query per sequence): work items are (sequence, KV head) pairs; each reads that
 // head's keys and values once for all the query heads that share it (GQA), so a step streams
 // the cache once. Prompt chunks (n queries per sequence, causal against everything before):
-// items are (sequence, KV head, tile of queries), each walking its keys 16 at a time with an
+// items are (sequence, KV head, tile of queries), each walking its keys 32 at a time with an
 // online softmax, as flash attention does. Scores and sums in float32 whatever the cache dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
