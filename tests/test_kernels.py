@@ -152,19 +152,19 @@ def test_history_in_scattered_blocks_is_attended_in_place(checkpoint, max_runs, 
     assert (whole[84:] - pieces).abs().max().item() < 1e-4
 
 
-def check_paged_kernel(dtype, heads, kv_heads, dim, window, n, block_size):
+def check_paged_kernel(dtype, heads, kv_heads, dim, window, n, block_size, extra=(0, 15, 16, 69)):
     """Sequences of different lengths, blocks scattered through the cache, GQA and a sliding
     window: each of a sequence's n new queries attends exactly its own keys, causally."""
     gen = torch.Generator().manual_seed(heads * n)
-    lengths = [n, n + 15, n + 16, n + 69]
-    width = -(-max(lengths) // block_size)
+    lengths = [n + e for e in extra]
+    batch, width = len(lengths), -(-max(lengths) // block_size)
     k_cache, v_cache = (
-        torch.randn(4 * width + 3, block_size, kv_heads, dim, generator=gen).to(dtype)
+        torch.randn(batch * width + 3, block_size, kv_heads, dim, generator=gen).to(dtype)
         for _ in range(2)
     )
-    q = torch.randn(len(lengths) * n, heads, dim, generator=gen).to(dtype)
-    order = torch.randperm(4 * width + 3, generator=gen)
-    tables = order[: 4 * width].view(4, width)
+    q = torch.randn(batch * n, heads, dim, generator=gen).to(dtype)
+    order = torch.randperm(batch * width + 3, generator=gen)
+    tables = order[: batch * width].view(batch, width)
     got = kernels.paged.paged_attention(q, k_cache, v_cache, tables, torch.tensor(lengths), window)
     for b, length in enumerate(lengths):
         slots = (tables[b, :, None] * block_size + torch.arange(block_size)).flatten()[:length]
@@ -193,6 +193,19 @@ def test_paged_decode_kernel_matches_attention_over_gathered_keys(
     dtype, heads, kv_heads, dim, window
 ):
     check_paged_kernel(dtype, heads, kv_heads, dim, window, 1, 16)
+
+
+@pytest.mark.skipif(
+    not kernels.probe.paged_decode_works(torch.float32),
+    reason="our paged attention kernel cannot be built here (no compiler or Python headers)",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("length", [700, 2051])
+@pytest.mark.parametrize("window", [None, 600])
+def test_paged_decode_kernel_splits_one_long_sequence_exactly(dtype, length, window):
+    """Fewer (sequence, KV head) pairs than threads: the kernel splits the keys into parts
+    and merges their softmaxes."""
+    check_paged_kernel(dtype, 9, 3, 64, window, 1, 16, extra=(length,))
 
 
 @pytest.mark.skipif(

@@ -17,11 +17,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
+
+constexpr float kMasked = -1e30f;  // finite: -ffast-math assumes no infinities
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -31,63 +33,6 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-// Scores for keys [first, n) of one (sequence, KV head), for its `group` query heads.
-template <typename T, int D>
-void attend(const float* __restrict query, const T* __restrict keys, const T* __restrict values,
-            const int64_t* table, int64_t block_size, int64_t token_stride, int64_t first,
-            int64_t n, int64_t group, float* __restrict scores, float* __restrict total,
-            float* __restrict acc) {
-  const int64_t len = n - first;
-  float row[D];
-  // Slots of keys first .. n - 1, block by block: no division per key.
-  auto for_each_slot = [&](auto&& body) {
-    int64_t block = first / block_size, offset = first % block_size;
-    for (int64_t i = 0; i < len; ++i) {
-      body(i, table[block] * block_size + offset);
-      if (++offset == block_size) {
-        offset = 0;
-        ++block;
-      }
-    }
-  };
-  for_each_slot([&](int64_t i, int64_t slot) {
-    const T* k = keys + slot * token_stride;
-    for (int d = 0; d < D; ++d) row[d] = to_float(k[d]);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = query + g * D;
-      float part[16] = {0};
-      for (int d = 0; d < D; d += 16)
-        for (int j = 0; j < 16; ++j) part[j] += qg[d + j] * row[d + j];
-      float s = 0.0f;
-      for (int j = 0; j < 16; ++j) s += part[j];
-      scores[g * len + i] = s;
-    }
-  });
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * len;
-    float peak = sg[0];
-    for (int64_t i = 1; i < len; ++i) peak = std::max(peak, sg[i]);
-    float sum = 0.0f;
-    for (int64_t i = 0; i < len; ++i) {
-      sg[i] = std::exp(sg[i] - peak);
-      sum += sg[i];
-    }
-    total[g] = sum;
-  }
-  std::fill(acc, acc + group * D, 0.0f);
-  for_each_slot([&](int64_t i, int64_t slot) {
-    const T* v = values + slot * token_stride;
-    for (int d = 0; d < D; ++d) row[d] = to_float(v[d]);
-    for (int64_t g = 0; g < group; ++g) {
-      const float w = scores[g * len + i];
-      float* ag = acc + g * D;
-      for (int d = 0; d < D; ++d) ag[d] += w * row[d];
-    }
-  });
-  for (int64_t g = 0; g < group; ++g)
-    for (int d = 0; d < D; ++d) acc[g * D + d] /= total[g];
-}
 
 // What both kernels read of their tensors: pointers, and the sizes that index them.
 template <typename T>
@@ -117,37 +62,7 @@ struct PagedArgs {
         token_stride(kv_heads * query.size(2)) {}
 };
 
-template <typename T, int D>
-void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_tables, const at::Tensor& num_keys, int64_t window,
-            double scale, at::Tensor& out) {
-  const PagedArgs<T> a(q, k_cache, v_cache, block_tables, num_keys, out);
-  const int64_t batch = q.size(0);
-
-  at::parallel_for(0, batch * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(a.group * D), acc(a.group * D), total(a.group), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / a.kv_heads, h = item % a.kv_heads;
-      const int64_t n = a.lengths[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-      scores.resize(a.group * (n - first));
-      const T* qh = a.q + (b * a.heads + h * a.group) * D;
-      for (int64_t i = 0; i < a.group * D; ++i) query[i] = to_float(qh[i]) * static_cast<float>(scale);
-      attend<T, D>(query.data(), a.keys + h * D, a.values + h * D, a.tables + b * a.table_width, a.block_size,
-                   a.token_stride, first, n, a.group, scores.data(), total.data(), acc.data());
-      T* dst = a.out + (b * a.heads + h * a.group) * D;
-      for (int64_t i = 0; i < a.group * D; ++i) dst[i] = static_cast<T>(acc[i]);
-    }
-  });
-}
-
-
-#if defined(__AVX512BF16__)
-constexpr int kTileKeys = 32;  // two 512-bit vectors of float32 scores
-constexpr int kTileQueries = 32;
-constexpr int kBlockRows = 4;  // query rows multiplied together, sharing each load of the tile
-constexpr float kMasked = -1e30f;  // finite: -ffast-math assumes no infinities
-
+#if defined(__AVX512F__)
 // exp(x) for x <= 0 (scores minus their running max): exp(f) * 2^n with x = f + n ln 2,
 // |f| <= ln 2 / 2; Cephes' expf constants (ln 2 split in two, degree-6 polynomial).
 inline __m512 exp_nonpositive(__m512 x) {
@@ -163,6 +78,296 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
 }
+
+// 16 elements from the cache as float32.
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const c10::Half* x) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+
+// Lane j of the result is the sum of the lanes of v[kSumOrder[j]]: a tree of 15 adds
+// instead of 16 separate horizontal sums.
+constexpr int kSumOrder[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+inline __m512 sum_each(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88), _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[i], b[i + 2], 0x44), _mm512_shuffle_ps(b[i], b[i + 2], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
+
+// One query head against one key: 16 partial sums of their dot product. In bf16 on the
+// dot-product instruction, two dims per lane and step; else in float32 FMAs.
+template <typename T, int D, typename = void>
+struct QueryHead {
+  __m512 dims[D / 16];
+  void load(const T* q) {
+    for (int c = 0; c < D / 16; ++c) dims[c] = load16(q + 16 * c);
+  }
+  __m512 partial_dot(const T* k) const {
+    __m512 s = _mm512_mul_ps(dims[0], load16(k));
+    for (int c = 1; c < D / 16; ++c) s = _mm512_fmadd_ps(dims[c], load16(k + 16 * c), s);
+    return s;
+  }
+};
+#if defined(__AVX512BF16__)
+template <int D>
+struct QueryHead<c10::BFloat16, D, std::enable_if_t<D % 32 == 0>> {
+  __m512bh pairs[D / 32];
+  void load(const c10::BFloat16* q) {
+    for (int c = 0; c < D / 32; ++c) pairs[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  }
+  __m512 partial_dot(const c10::BFloat16* k) const {
+    __m512 s = _mm512_setzero_ps();
+    for (int c = 0; c < D / 32; ++c) s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(k + 32 * c), pairs[c]);
+    return s;
+  }
+};
+#endif
+
+// acc[g] += weights[g] @ values for up to 16 keys (the weights of head g at weights + g * stride).
+template <typename T, int D, typename = void>
+struct ValueSum {
+  static void add(const T* values, const int64_t* slots, int count, int64_t token_stride,
+                  const float* weights, int64_t stride, int64_t group, float* acc, bool first) {
+    alignas(64) float rows[16][D];
+    for (int j = 0; j < count; ++j)
+      for (int c = 0; c < D / 16; ++c) _mm512_store_ps(rows[j] + 16 * c, load16(values + slots[j] * token_stride + 16 * c));
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 o[D / 16];
+      float* ag = acc + g * D;
+      for (int c = 0; c < D / 16; ++c) o[c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(ag + 16 * c);
+      const float* w = weights + g * stride;
+      for (int j = 0; j < count; ++j) {
+        const __m512 wj = _mm512_set1_ps(w[j]);
+        for (int c = 0; c < D / 16; ++c) o[c] = _mm512_fmadd_ps(wj, _mm512_load_ps(rows[j] + 16 * c), o[c]);
+      }
+      for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(ag + 16 * c, o[c]);
+    }
+  }
+  static void finish(int64_t, float*) {}
+};
+#if defined(__AVX512BF16__)
+// In bf16, two keys per lane on the dot-product instruction: each pair of value rows is
+// interleaved once (unpacklo/hi_epi16), and the weights are rounded to bf16, as the prefill
+// kernel does. The interleave leaves acc's lanes in a fixed order of dims, undone by finish.
+template <int D>
+struct ValueSum<c10::BFloat16, D, std::enable_if_t<D % 32 == 0>> {
+  static constexpr int kVectors = D / 16;  // of acc per head: lo and hi of each 32 dims
+
+  static void add(const c10::BFloat16* values, const int64_t* slots, int count, int64_t token_stride,
+                  const float* weights, int64_t stride, int64_t group, float* acc, bool first) {
+    __m512i pairs[8][kVectors];
+    const int used = (count + 1) / 2;
+    for (int t = 0; t < used; ++t) {
+      const c10::BFloat16* even = values + slots[2 * t] * token_stride;
+      const c10::BFloat16* odd = values + slots[2 * t + 1] * token_stride;
+      for (int c = 0; c < D / 32; ++c) {
+        // Zeros past the last key: its weight is 0, and 0 * garbage may be NaN.
+        const __m512i a = _mm512_loadu_si512(even + 32 * c);
+        const __m512i b = 2 * t + 1 < count ? _mm512_loadu_si512(odd + 32 * c) : _mm512_setzero_si512();
+        pairs[t][2 * c] = _mm512_unpacklo_epi16(a, b);
+        pairs[t][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      alignas(32) uint32_t w[8];  // word t: the weights of keys 2t and 2t + 1, as bf16
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(weights + g * stride)));
+      __m512 o[kVectors];
+      float* ag = acc + g * D;
+      for (int c = 0; c < kVectors; ++c) o[c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(ag + 16 * c);
+      for (int t = 0; t < used; ++t) {
+        const __m512bh wt = (__m512bh)_mm512_set1_epi32(w[t]);
+        for (int c = 0; c < kVectors; ++c) o[c] = _mm512_dpbf16_ps(o[c], (__m512bh)pairs[t][c], wt);
+      }
+      for (int c = 0; c < kVectors; ++c) _mm512_storeu_ps(ag + 16 * c, o[c]);
+    }
+  }
+
+  // Lane l of vector 2c (lo) holds dim 32c + 8 (l / 4) + l % 4; of vector 2c + 1 (hi), 4 more.
+  static void finish(int64_t group, float* acc) {
+    float dims[D];
+    for (int64_t g = 0; g < group; ++g) {
+      float* ag = acc + g * D;
+      for (int v = 0; v < kVectors; ++v)
+        for (int l = 0; l < 16; ++l) dims[32 * (v / 2) + 8 * (l / 4) + 4 * (v % 2) + l % 4] = ag[16 * v + l];
+      std::copy(dims, dims + D, ag);
+    }
+  }
+};
+#endif
+
+// Keys [first, n) of one (sequence, KV head) for its `group` query heads, vectorized: scores
+// 16 keys at a time, then the softmax, then values 16 keys at a time, each head's output in
+// registers. Returns each head's unnormalized output in acc and its sum of weights in total.
+template <typename T, int D>
+void attend(const T* query, float scale, const T* __restrict keys, const T* __restrict values,
+            const int64_t* table, int64_t block_size, int64_t token_stride, int64_t first,
+            int64_t n, int64_t group, float* __restrict scores, float* __restrict peak,
+            float* __restrict total, float* __restrict acc) {
+  const int64_t len = n - first, padded = (len + 15) / 16 * 16;
+  std::vector<QueryHead<T, D>> heads(group);
+  for (int64_t g = 0; g < group; ++g) heads[g].load(query + g * D);
+  std::vector<__m512> partial(group * 16);
+  int64_t slots[16];
+  auto slots_from = [&](int64_t i0, int count) {  // one division per 16 keys, not per key
+    int64_t block = (first + i0) / block_size, offset = (first + i0) % block_size;
+    for (int j = 0; j < count; ++j) {
+      slots[j] = table[block] * block_size + offset;
+      if (++offset == block_size) offset = 0, ++block;
+    }
+  };
+  for (int64_t i0 = 0; i0 < len; i0 += 16) {
+    const int count = static_cast<int>(std::min<int64_t>(16, len - i0));
+    slots_from(i0, count);
+    for (int j = 0; j < 16; ++j) {
+      const T* k = keys + slots[std::min(j, count - 1)] * token_stride;  // padding: a real key
+      for (int64_t g = 0; g < group; ++g) partial[g * 16 + kSumOrder[j]] = heads[g].partial_dot(k);
+    }
+    for (int64_t g = 0; g < group; ++g)
+      _mm512_storeu_ps(scores + g * padded + i0, _mm512_mul_ps(sum_each(&partial[g * 16]), _mm512_set1_ps(scale)));
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * padded;
+    for (int64_t i = len; i < padded; ++i) sg[i] = -1e30f;  // the padding's weights are 0
+    __m512 top_lanes = _mm512_loadu_ps(sg);
+    for (int64_t i = 16; i < padded; i += 16) top_lanes = _mm512_max_ps(top_lanes, _mm512_loadu_ps(sg + i));
+    peak[g] = _mm512_reduce_max_ps(top_lanes);
+    const __m512 top = _mm512_set1_ps(peak[g]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 16) {
+      const __m512 w = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + i), top));
+      _mm512_storeu_ps(sg + i, w);
+      sum = _mm512_add_ps(sum, w);
+    }
+    total[g] = _mm512_reduce_add_ps(sum);
+  }
+  for (int64_t i0 = 0; i0 < len; i0 += 16) {
+    const int count = static_cast<int>(std::min<int64_t>(16, len - i0));
+    slots_from(i0, count);
+    ValueSum<T, D>::add(values, slots, count, token_stride, scores + i0, padded, group, acc, i0 == 0);
+  }
+  ValueSum<T, D>::finish(group, acc);
+}
+#else
+// Portable: scores key by key, the compiler vectorizing over the head's dims.
+template <typename T, int D>
+void attend(const T* query, float scale, const T* __restrict keys, const T* __restrict values,
+            const int64_t* table, int64_t block_size, int64_t token_stride, int64_t first,
+            int64_t n, int64_t group, float* __restrict scores, float* __restrict peak,
+            float* __restrict total, float* __restrict acc) {
+  const int64_t len = n - first;
+  float row[D];
+  std::vector<float> q(group * D);
+  for (int64_t i = 0; i < group * D; ++i) q[i] = to_float(query[i]) * scale;
+  // Slots of keys first .. n - 1, block by block: no division per key.
+  auto for_each_slot = [&](auto&& body) {
+    int64_t block = first / block_size, offset = first % block_size;
+    for (int64_t i = 0; i < len; ++i) {
+      body(i, table[block] * block_size + offset);
+      if (++offset == block_size) {
+        offset = 0;
+        ++block;
+      }
+    }
+  };
+  for_each_slot([&](int64_t i, int64_t slot) {
+    const T* k = keys + slot * token_stride;
+    for (int d = 0; d < D; ++d) row[d] = to_float(k[d]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q.data() + g * D;
+      float part[16] = {0};
+      for (int d = 0; d < D; d += 16)
+        for (int j = 0; j < 16; ++j) part[j] += qg[d + j] * row[d + j];
+      float s = 0.0f;
+      for (int j = 0; j < 16; ++j) s += part[j];
+      scores[g * len + i] = s;
+    }
+  });
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    peak[g] = sg[0];
+    for (int64_t i = 1; i < len; ++i) peak[g] = std::max(peak[g], sg[i]);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < len; ++i) {
+      sg[i] = std::exp(sg[i] - peak[g]);
+      sum += sg[i];
+    }
+    total[g] = sum;
+  }
+  std::fill(acc, acc + group * D, 0.0f);
+  for_each_slot([&](int64_t i, int64_t slot) {
+    const T* v = values + slot * token_stride;
+    for (int d = 0; d < D; ++d) row[d] = to_float(v[d]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float w = scores[g * len + i];
+      float* ag = acc + g * D;
+      for (int d = 0; d < D; ++d) ag[d] += w * row[d];
+    }
+  });
+}
+#endif
+
+// Decodes: items are (sequence, KV head, part of its keys). A batch too small to give every
+// thread two items splits each sequence's keys into parts, whose softmaxes are merged after.
+template <typename T, int D>
+void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_tables, const at::Tensor& num_keys, int64_t window,
+            double scale, at::Tensor& out) {
+  const PagedArgs<T> a(q, k_cache, v_cache, block_tables, num_keys, out);
+  const int64_t batch = q.size(0), pairs = batch * a.kv_heads;
+  constexpr int64_t kMinPart = 256;  // keys: below this a part costs more than it spreads
+  const int64_t parts = std::min<int64_t>(8, (2 * at::get_num_threads() + pairs - 1) / pairs);
+  // Per (sequence, KV head, part, query head): its peak score, sum of weights and output.
+  std::vector<float> peaks(pairs * parts * a.group, kMasked), totals(pairs * parts * a.group, 0.0f);
+  std::vector<float> outs(pairs * parts * a.group * D, 0.0f);
+
+  at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t pair = item / parts, part = item % parts;
+      const int64_t b = pair / a.kv_heads, h = pair % a.kv_heads, n = a.lengths[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+      const int64_t used = std::clamp<int64_t>((n - first) / kMinPart, 1, parts);
+      if (part >= used) continue;
+      const int64_t span = (n - first + used - 1) / used;
+      const int64_t from = first + part * span, to = std::min(n, from + span);
+      scores.resize(a.group * ((to - from + 15) / 16 * 16));
+      const int64_t at = item * a.group;
+      attend<T, D>(a.q + (b * a.heads + h * a.group) * D, static_cast<float>(scale), a.keys + h * D,
+                   a.values + h * D, a.tables + b * a.table_width, a.block_size, a.token_stride, from,
+                   to, a.group, scores.data(), &peaks[at], &totals[at], &outs[at * D]);
+    }
+  });
+  at::parallel_for(0, pairs * a.group, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {  // row: (sequence, KV head, query head)
+      const int64_t pair = row / a.group, g = row % a.group;
+      float top = kMasked, total = 0.0f, merged[D] = {0};
+      for (int64_t p = 0; p < parts; ++p) top = std::max(top, peaks[(pair * parts + p) * a.group + g]);
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t at = (pair * parts + p) * a.group + g;
+        const float weight = std::exp(peaks[at] - top);
+        total += weight * totals[at];
+        for (int d = 0; d < D; ++d) merged[d] += weight * outs[at * D + d];
+      }
+      T* dst = a.out + (pair * a.group + g) * D;  // query heads of a KV head are consecutive
+      for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(merged[d] / total);
+    }
+  });
+}
+
+#if defined(__AVX512BF16__)
+constexpr int kTileKeys = 32;  // two 512-bit vectors of float32 scores
+constexpr int kTileQueries = 32;
+constexpr int kBlockRows = 4;  // query rows multiplied together, sharing each load of the tile
 
 inline __m512bh bf16_pairs(const uint32_t* words) {
   return (__m512bh)_mm512_load_si512(words);
@@ -356,7 +561,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   auto lengths = num_keys.contiguous();
   auto out = at::empty_like(q);
   // The head size is a template argument, so the loops over it unroll and vectorize.
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+  auto by_head_size = [&](auto type) {
+    using scalar_t = decltype(type);
     auto run = [&](auto head_dim) {
       constexpr int D = decltype(head_dim)::value;
       if (n == 1) return decode<scalar_t, D>(q, k_cache, v_cache, tables, lengths, window, scale, out);
@@ -370,7 +576,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
       case 256: return run(std::integral_constant<int, 256>());
       default: TORCH_CHECK(false, "paged_attention: head size ", q.size(2), " is not 16, 32, 64, 128 or 256");
     }
-  });
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: by_head_size(float()); break;
+    case at::kBFloat16: by_head_size(c10::BFloat16()); break;
+    case at::kHalf: by_head_size(c10::Half()); break;
+    default: TORCH_CHECK(false, "paged_attention: ", q.scalar_type(), " is not float32, bfloat16 or float16");
+  }
   return out;
 }
 
