@@ -16,7 +16,7 @@ from test_quantize import rel_err
 import gapless.kernels as kernels
 from gapless import LLM, SamplingParams
 from gapless.engine.runner import ModelRunner
-from gapless.kernels.linear import PackedLinear, PlainLinear
+from gapless.kernels.linear import Int4Linear, NarrowLinear, PackedLinear, PlainLinear
 from gapless.kernels.probe import Machine, packed_linear_works
 from gapless.model.loader import load_decoder
 from gapless.model.quantize import quantize_int4
@@ -65,6 +65,32 @@ def test_quantized_weights_run_float32_with_bf16_compute_where_bf16_is_fast(monk
     monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
     forced = kernels.select(CPU, torch.float32, quantized=True)
     assert forced.linear(q).dense_dtype is None and forced.kv_dtype == torch.float32
+
+
+def test_a_narrow_lm_head_keeps_its_best_logits_exact():
+    """A reduced-dtype run reads a dense lm_head in bf16, whose logits round to steps of 0.125
+    near 24: two tokens 0.03 apart would tie. The best 16 per row are recomputed in float32."""
+    chosen = kernels.Kernels(CPU, torch.float32, False, False, reduced_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1000, 64, generator=gen)
+    x = torch.randn(3, 64, generator=gen)
+    weight[3] = 24.0 * x[0] / x[0].dot(x[0])  # logit 24.0 in row 0
+    weight[7] = 24.03 * x[0] / x[0].dot(x[0])  # the best by 0.03: bf16 rounds both to 24.0
+    head = chosen.lm_head(weight)
+    assert isinstance(head, NarrowLinear) and head.narrow.weight.dtype == torch.bfloat16
+    want = F.linear(x, weight)
+    got = head(x)
+    top = want.topk(8).indices  # in bf16's top 16 too; its 16th may be another token
+    assert torch.allclose(got.gather(1, top), want.gather(1, top), rtol=0, atol=1e-4)
+    narrow = F.linear(x.bfloat16(), weight.bfloat16())
+    assert narrow[0, 7] == narrow[0, 3] == 24.0 and narrow[0].argmax() == 3  # the tie's pick
+    assert got[0].argmax() == 7
+    assert (got - want).abs().max() < 0.25  # the rest: bf16's rounding
+    # Quantized heads, and runs without a reduced dtype, are left as they are.
+    assert isinstance(chosen.lm_head(quantize_int4(weight, 32)), Int4Linear)
+    assert isinstance(
+        kernels.Kernels(CPU, torch.float32, False, False).lm_head(weight), PlainLinear
+    )
 
 
 def test_amx_keeps_prompt_chunks_on_the_flash_op(monkeypatch):

@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from gapless.kernels import attention, paged
-from gapless.kernels.linear import Int4Linear, Int8Linear, Linear, PackedLinear, PlainLinear
+from gapless.kernels.linear import (
+    Int4Linear,
+    Int8Linear,
+    Linear,
+    NarrowLinear,
+    PackedLinear,
+    PlainLinear,
+)
 from gapless.kernels.probe import (
     cpu_flash_works,
     int4_mm_works,
@@ -73,7 +80,8 @@ class Kernels:
     paged_prefill: bool = False  # prompt chunks attend on it too, else on attention.py
     # A float32 run of quantized weights on a CPU that multiplies bf16 fast computes in bf16
     # where that costs little accuracy (the quantized linears' larger batches, the KV cache
-    # and attention), and keeps the residual stream and norms in float32 (see resolve_dtype).
+    # and attention, a dense lm_head's reads), and keeps the residual stream and norms in
+    # float32 (see resolve_dtype).
     # None: the run dtype everywhere.
     reduced_dtype: torch.dtype | None = None
 
@@ -90,6 +98,16 @@ class Kernels:
         if self.packed_linear:
             return PackedLinear(weight, bias)
         return PlainLinear(weight, bias)
+
+    def lm_head(self, weight: torch.Tensor | GroupQuant) -> Linear:
+        """The vocabulary projection. A dense one in a run with reduced_dtype (a GGUF file's
+        Q8_0 embeddings, dequantized) is read in that dtype, its best logits made exact (see
+        NarrowLinear): every decode step reads all of it, and in float32 it took a quarter of
+        the default model's step."""
+        if self.reduced_dtype is None or isinstance(weight, GroupQuant):
+            return self.linear(weight)
+        narrow = self.linear(weight.to(self.reduced_dtype))
+        return NarrowLinear(weight, narrow, self.reduced_dtype)  # type: ignore[arg-type]
 
     def decodes_paged(self, head_dim: int) -> bool:
         """Whether decodes of a model with this head size run on our paged kernel."""
@@ -146,7 +164,7 @@ class Kernels:
             for name, dt in (("int8", self.int8_dtype), ("int4", self.int4_dtype))
         )
         if self.reduced_dtype:
-            quant += f", quantized prefill on {_name(self.reduced_dtype)}"
+            quant += f", quantized prefill and dense lm_head on {_name(self.reduced_dtype)}"
             decode += f", {_name(self.reduced_dtype)} KV cache and attention"
         return f"kernels: {where}, {dtype} {linear} linear, {attn} attention, {decode}, {quant}"
 
@@ -217,7 +235,7 @@ def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> t
 
     Quantized weights already round activations to bfloat16 where that is fast (the int
     kernels), so their float32 runs compute in bf16 wherever it costs little accuracy: the
-    linears and attention over a bf16 KV cache (Kernels.reduced_dtype).
+    linears, attention over a bf16 KV cache, and a dense lm_head (Kernels.reduced_dtype).
     What stays float32 is the residual stream and the norms: in bfloat16 they changed the
     default model's greedy answers ("What is the capital of France?" got "L'Étoile, la
     Marseillaise, ...", float32 "Paris").

@@ -161,10 +161,13 @@ def build_decoder(
         w = shard_weights(cfg, w, parallel.rank, parallel.size)
         cfg = shard_config(cfg, parallel.size)
 
-    def linear(weight: Weight, bias: torch.Tensor | None = None) -> Linear:
+    def quantized(weight: Weight) -> Weight:
         if quantize is not None and isinstance(weight, torch.Tensor):
-            weight = quantize(weight)
-        return kernels.linear(weight, bias)
+            return quantize(weight)
+        return weight
+
+    def linear(weight: Weight, bias: torch.Tensor | None = None) -> Linear:
+        return kernels.linear(quantized(weight), bias)
 
     def cat(*names: str) -> Weight | None:
         if names[0] not in w:
@@ -196,7 +199,9 @@ def build_decoder(
         )
     embed = w.pop("model.embed_tokens.weight")
     # A tied lm_head that is quantized gets its own quantized copy of the embeddings.
-    lm_head = linear(embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
+    lm_head = kernels.lm_head(
+        quantized(embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
+    )
     if isinstance(embed, GroupQuant):
         embed = embed.dequantize(kernels.dtype)
     return Decoder(cfg, embed, layers, w.pop("model.norm.weight"), lm_head, kernels, parallel)
