@@ -226,12 +226,12 @@ def test_paged_decode_kernel_matches_attention_over_gathered_keys(
     reason="our paged attention kernel cannot be built here (no compiler or Python headers)",
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("length", [700, 2051])
+@pytest.mark.parametrize("lengths", [(700,), (2051,), (2051, 3, 40)])
 @pytest.mark.parametrize("window", [None, 600])
-def test_paged_decode_kernel_splits_one_long_sequence_exactly(dtype, length, window):
-    """Fewer (sequence, KV head) pairs than threads: the kernel splits the keys into parts
-    and merges their softmaxes."""
-    check_paged_kernel(dtype, 9, 3, 64, window, 1, 16, extra=(length,))
+def test_paged_decode_kernel_splits_long_sequences_exactly(dtype, lengths, window):
+    """A sequence longer than a thread's share of the batch's keys is cut into parts, whose
+    softmaxes the kernel merges: alone, and beside short ones."""
+    check_paged_kernel(dtype, 9, 3, 64, window, 1, 16, extra=lengths)
 
 
 @pytest.mark.skipif(

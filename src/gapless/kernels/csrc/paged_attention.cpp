@@ -205,18 +205,21 @@ struct ValueSum<c10::BFloat16, D, std::enable_if_t<D % 32 == 0>> {
 };
 #endif
 
-// Keys [first, n) of one (sequence, KV head) for its `group` query heads, vectorized: scores
-// 16 keys at a time, then the softmax, then values 16 keys at a time, each head's output in
-// registers. Returns each head's unnormalized output in acc and its sum of weights in total.
+// Keys [first, n) of one sequence for all its query heads (kv_heads groups of `group`),
+// vectorized: scores 16 keys at a time, then the softmax, then values 16 keys at a time. A
+// key's row holds every KV head side by side, so the history is read as one stream; read a
+// head at a time, a strided half or third of it, it came from memory at half the rate.
+// Returns each head's unnormalized output in acc, its peak score and its sum of weights.
 template <typename T, int D>
 void attend(const T* query, float scale, const T* __restrict keys, const T* __restrict values,
-            const int64_t* table, int64_t block_size, int64_t token_stride, int64_t first,
-            int64_t n, int64_t group, float* __restrict scores, float* __restrict peak,
+            const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t first, int64_t n,
+            int64_t group, float* __restrict scores, float* __restrict peak,
             float* __restrict total, float* __restrict acc) {
   const int64_t len = n - first, padded = (len + 15) / 16 * 16;
-  std::vector<QueryHead<T, D>> heads(group);
-  for (int64_t g = 0; g < group; ++g) heads[g].load(query + g * D);
-  std::vector<__m512> partial(group * 16);
+  const int64_t heads = kv_heads * group, stride = kv_heads * D;
+  std::vector<QueryHead<T, D>> q(heads);
+  for (int64_t i = 0; i < heads; ++i) q[i].load(query + i * D);
+  std::vector<__m512> partial(heads * 16);
   int64_t slots[16];
   auto slots_from = [&](int64_t i0, int count) {  // one division per 16 keys, not per key
     int64_t block = (first + i0) / block_size, offset = (first + i0) % block_size;
@@ -229,41 +232,44 @@ void attend(const T* query, float scale, const T* __restrict keys, const T* __re
     const int count = static_cast<int>(std::min<int64_t>(16, len - i0));
     slots_from(i0, count);
     for (int j = 0; j < 16; ++j) {
-      const T* k = keys + slots[std::min(j, count - 1)] * token_stride;  // padding: a real key
-      for (int64_t g = 0; g < group; ++g) partial[g * 16 + kSumOrder[j]] = heads[g].partial_dot(k);
+      const T* row = keys + slots[std::min(j, count - 1)] * stride;  // padding: a real key
+      for (int64_t i = 0; i < heads; ++i) partial[i * 16 + kSumOrder[j]] = q[i].partial_dot(row + i / group * D);
     }
-    for (int64_t g = 0; g < group; ++g)
-      _mm512_storeu_ps(scores + g * padded + i0, _mm512_mul_ps(sum_each(&partial[g * 16]), _mm512_set1_ps(scale)));
+    for (int64_t i = 0; i < heads; ++i)
+      _mm512_storeu_ps(scores + i * padded + i0, _mm512_mul_ps(sum_each(&partial[i * 16]), _mm512_set1_ps(scale)));
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * padded;
-    for (int64_t i = len; i < padded; ++i) sg[i] = -1e30f;  // the padding's weights are 0
-    __m512 top_lanes = _mm512_loadu_ps(sg);
-    for (int64_t i = 16; i < padded; i += 16) top_lanes = _mm512_max_ps(top_lanes, _mm512_loadu_ps(sg + i));
-    peak[g] = _mm512_reduce_max_ps(top_lanes);
-    const __m512 top = _mm512_set1_ps(peak[g]);
+  for (int64_t i = 0; i < heads; ++i) {
+    float* si = scores + i * padded;
+    for (int64_t k = len; k < padded; ++k) si[k] = kMasked;  // the padding's weights are 0
+    __m512 top_lanes = _mm512_loadu_ps(si);
+    for (int64_t k = 16; k < padded; k += 16) top_lanes = _mm512_max_ps(top_lanes, _mm512_loadu_ps(si + k));
+    peak[i] = _mm512_reduce_max_ps(top_lanes);
+    const __m512 top = _mm512_set1_ps(peak[i]);
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < padded; i += 16) {
-      const __m512 w = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sg + i), top));
-      _mm512_storeu_ps(sg + i, w);
+    for (int64_t k = 0; k < padded; k += 16) {
+      const __m512 w = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(si + k), top));
+      _mm512_storeu_ps(si + k, w);
       sum = _mm512_add_ps(sum, w);
     }
-    total[g] = _mm512_reduce_add_ps(sum);
+    total[i] = _mm512_reduce_add_ps(sum);
   }
   for (int64_t i0 = 0; i0 < len; i0 += 16) {
     const int count = static_cast<int>(std::min<int64_t>(16, len - i0));
     slots_from(i0, count);
-    ValueSum<T, D>::add(values, slots, count, token_stride, scores + i0, padded, group, acc, i0 == 0);
+    for (int64_t h = 0; h < kv_heads; ++h)  // the rows just read for head 0 are in cache
+      ValueSum<T, D>::add(values + h * D, slots, count, stride, scores + h * group * padded + i0,
+                          padded, group, acc + h * group * D, i0 == 0);
   }
-  ValueSum<T, D>::finish(group, acc);
+  ValueSum<T, D>::finish(heads, acc);
 }
 #else
-// Portable: scores key by key, the compiler vectorizing over the head's dims.
+// Portable: one KV head at a time, scores key by key, the compiler vectorizing over dims.
 template <typename T, int D>
-void attend(const T* query, float scale, const T* __restrict keys, const T* __restrict values,
-            const int64_t* table, int64_t block_size, int64_t token_stride, int64_t first,
-            int64_t n, int64_t group, float* __restrict scores, float* __restrict peak,
-            float* __restrict total, float* __restrict acc) {
+void attend_kv_head(const T* query, float scale, const T* __restrict keys,
+                    const T* __restrict values, const int64_t* table, int64_t block_size,
+                    int64_t token_stride, int64_t first, int64_t n, int64_t group,
+                    float* __restrict scores, float* __restrict peak, float* __restrict total,
+                    float* __restrict acc) {
   const int64_t len = n - first;
   float row[D];
   std::vector<float> q(group * D);
@@ -314,51 +320,71 @@ void attend(const T* query, float scale, const T* __restrict keys, const T* __re
     }
   });
 }
+
+template <typename T, int D>
+void attend(const T* query, float scale, const T* __restrict keys, const T* __restrict values,
+            const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t first, int64_t n,
+            int64_t group, float* __restrict scores, float* __restrict peak,
+            float* __restrict total, float* __restrict acc) {
+  for (int64_t h = 0; h < kv_heads; ++h)
+    attend_kv_head<T, D>(query + h * group * D, scale, keys + h * D, values + h * D, table, block_size,
+                         kv_heads * D, first, n, group, scores, peak + h * group, total + h * group,
+                         acc + h * group * D);
+}
 #endif
 
-// Decodes: items are (sequence, KV head, part of its keys). A batch too small to give every
-// thread two items splits each sequence's keys into parts, whose softmaxes are merged after.
+// Decodes: items are parts of a sequence's keys, each attended by all its heads. Sequences
+// longer than a thread's fair share (half of it: about two items per thread) are cut into
+// parts of that many keys, at least kMinPart, and the parts' softmaxes merged after: one
+// long sequence alone, or beside short ones, keeps every thread busy.
 template <typename T, int D>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& num_keys, int64_t window,
             double scale, at::Tensor& out) {
   const PagedArgs<T> a(q, k_cache, v_cache, block_tables, num_keys, out);
-  const int64_t batch = q.size(0), pairs = batch * a.kv_heads;
+  const int64_t batch = q.size(0);
   constexpr int64_t kMinPart = 256;  // keys: below this a part costs more than it spreads
-  const int64_t parts = std::min<int64_t>(8, (2 * at::get_num_threads() + pairs - 1) / pairs);
-  // Per (sequence, KV head, part, query head): its peak score, sum of weights and output.
-  std::vector<float> peaks(pairs * parts * a.group, kMasked), totals(pairs * parts * a.group, 0.0f);
-  std::vector<float> outs(pairs * parts * a.group * D, 0.0f);
+  auto first_key = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, a.lengths[b] - window) : 0; };
+  int64_t all_keys = 0;
+  for (int64_t b = 0; b < batch; ++b) all_keys += a.lengths[b] - first_key(b);
+  const int64_t share = (all_keys + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
+  const int64_t part_keys = std::max(kMinPart, share);
+  std::vector<int64_t> item_seq, first_item(batch + 1);  // items of sequence b: from first_item[b]
+  for (int64_t b = 0; b < batch; ++b) {
+    first_item[b] = static_cast<int64_t>(item_seq.size());
+    const int64_t parts = (a.lengths[b] - first_key(b) + part_keys - 1) / part_keys;
+    item_seq.insert(item_seq.end(), parts, b);
+  }
+  const int64_t items = first_item[batch] = static_cast<int64_t>(item_seq.size());
+  // Per (item, query head): its peak score, sum of weights and unnormalized output.
+  std::vector<float> peaks(items * a.heads), totals(items * a.heads), outs(items * a.heads * D);
 
-  at::parallel_for(0, pairs * parts, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t pair = item / parts, part = item % parts;
-      const int64_t b = pair / a.kv_heads, h = pair % a.kv_heads, n = a.lengths[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-      const int64_t used = std::clamp<int64_t>((n - first) / kMinPart, 1, parts);
-      if (part >= used) continue;
-      const int64_t span = (n - first + used - 1) / used;
-      const int64_t from = first + part * span, to = std::min(n, from + span);
-      scores.resize(a.group * ((to - from + 15) / 16 * 16));
-      const int64_t at = item * a.group;
-      attend<T, D>(a.q + (b * a.heads + h * a.group) * D, static_cast<float>(scale), a.keys + h * D,
-                   a.values + h * D, a.tables + b * a.table_width, a.block_size, a.token_stride, from,
-                   to, a.group, scores.data(), &peaks[at], &totals[at], &outs[at * D]);
+      const int64_t b = item_seq[item];
+      const int64_t from = first_key(b) + (item - first_item[b]) * part_keys;
+      const int64_t to = std::min(a.lengths[b], from + part_keys);
+      scores.resize(a.heads * ((to - from + 15) / 16 * 16));
+      const int64_t at = item * a.heads;
+      attend<T, D>(a.q + b * a.heads * D, static_cast<float>(scale), a.keys, a.values,
+                   a.tables + b * a.table_width, a.block_size, a.kv_heads, from, to, a.group,
+                   scores.data(), &peaks[at], &totals[at], &outs[at * D]);
     }
   });
-  at::parallel_for(0, pairs * a.group, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {  // row: (sequence, KV head, query head)
-      const int64_t pair = row / a.group, g = row % a.group;
+  at::parallel_for(0, batch * a.heads, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {  // row: (sequence, query head)
+      const int64_t b = row / a.heads, i = row % a.heads;
       float top = kMasked, total = 0.0f, merged[D] = {0};
-      for (int64_t p = 0; p < parts; ++p) top = std::max(top, peaks[(pair * parts + p) * a.group + g]);
-      for (int64_t p = 0; p < parts; ++p) {
-        const int64_t at = (pair * parts + p) * a.group + g;
+      for (int64_t item = first_item[b]; item < first_item[b + 1]; ++item)
+        top = std::max(top, peaks[item * a.heads + i]);
+      for (int64_t item = first_item[b]; item < first_item[b + 1]; ++item) {
+        const int64_t at = item * a.heads + i;
         const float weight = std::exp(peaks[at] - top);
         total += weight * totals[at];
         for (int d = 0; d < D; ++d) merged[d] += weight * outs[at * D + d];
       }
-      T* dst = a.out + (pair * a.group + g) * D;  // query heads of a KV head are consecutive
+      T* dst = a.out + row * D;
       for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(merged[d] / total);
     }
   });
