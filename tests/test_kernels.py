@@ -47,6 +47,7 @@ def test_quantized_weights_run_float32_with_bf16_compute_where_bf16_is_fast(monk
     isa = ("avx2", "avx512", "avx512-bf16")
     monkeypatch.setattr(kernels, "machine", lambda: Machine("Zen 4", isa, "AVX512_CORE", None))
     monkeypatch.setattr(kernels, "packed_linear_works", lambda dtype: True)
+    monkeypatch.setattr(kernels, "paged_prefill_works", lambda dtype: dtype == torch.bfloat16)
     assert kernels.resolve_dtype("auto", CPU) == torch.bfloat16
     assert kernels.resolve_dtype("auto", CPU, quantized=True) == torch.float32
     assert kernels.resolve_dtype("auto", torch.device("cuda"), quantized=True) == torch.bfloat16
@@ -59,6 +60,12 @@ def test_quantized_weights_run_float32_with_bf16_compute_where_bf16_is_fast(monk
     x = torch.randn(40, 64)  # more rows than the int kernel takes: the dense path
     want = F.linear(x.bfloat16(), q.dequantize(torch.bfloat16)).float()
     assert torch.equal(linear(x), want)
+    # Where our kernel does not attend prompt chunks (AMX, no compiler), KV and attention
+    # stay float32: the flash op computes bf16 at the float32 rate, and rounds differently.
+    monkeypatch.setattr(kernels, "paged_prefill_works", lambda dtype: False)
+    flash = kernels.select(CPU, torch.float32, quantized=True)
+    assert flash.reduced_dtype == torch.bfloat16 and flash.kv_dtype == torch.float32
+    assert "KV cache" not in flash.describe()
     # Float weights stay float32 throughout; so does the fallback.
     assert kernels.select(CPU, torch.float32).kv_dtype == torch.float32
     assert kernels.select(CPU, torch.bfloat16, quantized=True).linear(q).dense_dtype is None
@@ -98,6 +105,7 @@ def test_amx_keeps_prompt_chunks_on_the_flash_op(monkeypatch):
     monkeypatch.setattr(kernels, "machine", lambda: Machine("SPR", isa, "AVX512_CORE_AMX", None))
     chosen = kernels.select(CPU, torch.bfloat16)
     assert not chosen.paged_prefill and not chosen.prefills_paged(64)
+    assert kernels.select(CPU, torch.float32, quantized=True).kv_dtype == torch.float32
 
 
 def test_cuda_gets_public_ops():

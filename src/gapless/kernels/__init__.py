@@ -79,15 +79,19 @@ class Kernels:
     paged_decode: bool = False  # decodes on our kernel (paged.py), else on SDPA
     paged_prefill: bool = False  # prompt chunks attend on it too, else on attention.py
     # A float32 run of quantized weights on a CPU that multiplies bf16 fast computes in bf16
-    # where that costs little accuracy (the quantized linears' larger batches, the KV cache
-    # and attention, a dense lm_head's reads), and keeps the residual stream and norms in
-    # float32 (see resolve_dtype).
+    # where that costs little accuracy (the quantized linears' larger batches, a dense
+    # lm_head's reads, and the KV cache and attention where our kernel runs them: kv_dtype),
+    # and keeps the residual stream and norms in float32 (see resolve_dtype).
     # None: the run dtype everywhere.
     reduced_dtype: torch.dtype | None = None
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        return self.reduced_dtype or self.dtype
+        """The KV cache's and attention's dtype. A reduced one only where our bf16 kernel
+        attends prompt chunks: that is where it pays (the CPU flash op computes bf16 at the
+        float32 rate), and the flash op's bf16 rounding turned the default model's greedy
+        answer to "What is the capital of France?" from 'The' to 'L' (logits 0.03 apart)."""
+        return self.reduced_dtype if self.reduced_dtype and self.paged_prefill else self.dtype
 
     def linear(self, weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None) -> Linear:
         rows, dense = self.int_kernel_max_rows, self.reduced_dtype
@@ -165,7 +169,8 @@ class Kernels:
         )
         if self.reduced_dtype:
             quant += f", quantized prefill and dense lm_head on {_name(self.reduced_dtype)}"
-            decode += f", {_name(self.reduced_dtype)} KV cache and attention"
+        if self.kv_dtype != self.dtype:
+            decode += f", {_name(self.kv_dtype)} KV cache and attention"
         return f"kernels: {where}, {dtype} {linear} linear, {attn} attention, {decode}, {quant}"
 
 
@@ -193,16 +198,17 @@ def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) ->
     cpu = device.type == "cpu" and not fallback
     fast_bf16 = cpu and quantized and dtype == torch.float32 and _fast_cpu_half(torch.bfloat16)
     reduced = torch.bfloat16 if fast_bf16 else None
-    kv_dtype = reduced or dtype
+    # With AMX the flash op's bf16 products run on AMX tiles; ours was never measured
+    # against it there, so it keeps the chunks (no AMX machine was at hand).
+    paged_prefill = cpu and "amx" not in machine().cpu_isa and paged_prefill_works(reduced or dtype)
+    kv_dtype = reduced if reduced and paged_prefill else dtype  # see Kernels.kv_dtype
     kernels = Kernels(
         device,
         dtype,
         packed_linear=cpu and packed_linear_works(dtype),
         in_place_attention=cpu and cpu_flash_works(kv_dtype),
         paged_decode=cpu and paged_decode_works(kv_dtype),
-        # With AMX the flash op's bf16 products run on AMX tiles; ours was never measured
-        # against it there, so it keeps the chunks (no AMX machine was at hand).
-        paged_prefill=cpu and "amx" not in machine().cpu_isa and paged_prefill_works(kv_dtype),
+        paged_prefill=paged_prefill,
         int8_dtype=None if fallback else _int_kernel_dtype(int8_mm_works, device, dtype),
         int4_dtype=None if fallback else _int_kernel_dtype(int4_mm_works, device, dtype),
         reduced_dtype=reduced,
