@@ -131,10 +131,11 @@ class Kernels:
         window: int | None,
     ) -> torch.Tensor:
         """Attention of the batch's queries q [T, H, D], whose own keys and values k, v
-        [T, Hkv, D] are already in kv_cache, for a layer with this window. Returns [T, H * D]."""
+        [T, Hkv, D] (in the cache's dtype) are already in kv_cache, for a layer with this
+        window. Returns [T, H * D] in q's dtype."""
         k_cache, v_cache = kv_cache
         run_dtype = q.dtype
-        q, k, v = (t.to(k_cache.dtype) for t in (q, k, v))
+        q = q.to(k_cache.dtype)
         out = None
         for g in groups:
             if g.num_keys is not None:

@@ -160,9 +160,9 @@ class Decoder:
                 k = rms_norm(qk[:, heads:], layer.k_norm, cfg.rms_norm_eps)
                 qk = torch.cat((q, k), dim=1)
             qk = apply_rope(qk, cos, signed_sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-            k_cache.flatten(0, 1).index_copy_(0, batch.write_slots, k.to(k_cache.dtype))
-            v_cache.flatten(0, 1).index_copy_(0, batch.write_slots, v.to(v_cache.dtype))
+            q, k, v = qk[:, :heads], qk[:, heads:].to(k_cache.dtype), v.to(v_cache.dtype)
+            k_cache.flatten(0, 1).index_copy_(0, batch.write_slots, k)
+            v_cache.flatten(0, 1).index_copy_(0, batch.write_slots, v)
             attn = self.kernels.attention(q, k, v, (k_cache, v_cache), batch.groups, window)
             x = x + self.all_reduce(layer.o(attn))
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
