@@ -132,20 +132,21 @@ struct QueryHead<c10::BFloat16, D, std::enable_if_t<D % 32 == 0>> {
 };
 #endif
 
-// acc[g] += weights[g] @ values for up to 16 keys (the weights of head g at weights + g * stride).
+// acc[g] += weights[g] @ values for 16 keys (the weights of head g at weights + g * stride).
+// A chunk's padding repeats a real key with weight 0: fixed trip counts, no branches.
 template <typename T, int D, typename = void>
 struct ValueSum {
-  static void add(const T* values, const int64_t* slots, int count, int64_t token_stride,
+  static void add(const T* values, const int64_t* slots, int64_t token_stride,
                   const float* weights, int64_t stride, int64_t group, float* acc, bool first) {
     alignas(64) float rows[16][D];
-    for (int j = 0; j < count; ++j)
+    for (int j = 0; j < 16; ++j)
       for (int c = 0; c < D / 16; ++c) _mm512_store_ps(rows[j] + 16 * c, load16(values + slots[j] * token_stride + 16 * c));
     for (int64_t g = 0; g < group; ++g) {
       __m512 o[D / 16];
       float* ag = acc + g * D;
       for (int c = 0; c < D / 16; ++c) o[c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(ag + 16 * c);
       const float* w = weights + g * stride;
-      for (int j = 0; j < count; ++j) {
+      for (int j = 0; j < 16; ++j) {
         const __m512 wj = _mm512_set1_ps(w[j]);
         for (int c = 0; c < D / 16; ++c) o[c] = _mm512_fmadd_ps(wj, _mm512_load_ps(rows[j] + 16 * c), o[c]);
       }
@@ -162,17 +163,15 @@ template <int D>
 struct ValueSum<c10::BFloat16, D, std::enable_if_t<D % 32 == 0>> {
   static constexpr int kVectors = D / 16;  // of acc per head: lo and hi of each 32 dims
 
-  static void add(const c10::BFloat16* values, const int64_t* slots, int count, int64_t token_stride,
+  static void add(const c10::BFloat16* values, const int64_t* slots, int64_t token_stride,
                   const float* weights, int64_t stride, int64_t group, float* acc, bool first) {
     __m512i pairs[8][kVectors];
-    const int used = (count + 1) / 2;
-    for (int t = 0; t < used; ++t) {
+    for (int t = 0; t < 8; ++t) {
       const c10::BFloat16* even = values + slots[2 * t] * token_stride;
       const c10::BFloat16* odd = values + slots[2 * t + 1] * token_stride;
       for (int c = 0; c < D / 32; ++c) {
-        // Zeros past the last key: its weight is 0, and 0 * garbage may be NaN.
         const __m512i a = _mm512_loadu_si512(even + 32 * c);
-        const __m512i b = 2 * t + 1 < count ? _mm512_loadu_si512(odd + 32 * c) : _mm512_setzero_si512();
+        const __m512i b = _mm512_loadu_si512(odd + 32 * c);
         pairs[t][2 * c] = _mm512_unpacklo_epi16(a, b);
         pairs[t][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
       }
@@ -184,7 +183,7 @@ struct ValueSum<c10::BFloat16, D, std::enable_if_t<D % 32 == 0>> {
       __m512 o[kVectors];
       float* ag = acc + g * D;
       for (int c = 0; c < kVectors; ++c) o[c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(ag + 16 * c);
-      for (int t = 0; t < used; ++t) {
+      for (int t = 0; t < 8; ++t) {
         const __m512bh wt = (__m512bh)_mm512_set1_epi32(w[t]);
         for (int c = 0; c < kVectors; ++c) o[c] = _mm512_dpbf16_ps(o[c], (__m512bh)pairs[t][c], wt);
       }
@@ -221,44 +220,49 @@ void attend(const T* query, float scale, const T* __restrict keys, const T* __re
   for (int64_t i = 0; i < heads; ++i) q[i].load(query + i * D);
   std::vector<__m512> partial(heads * 16);
   int64_t slots[16];
-  auto slots_from = [&](int64_t i0, int count) {  // one division per 16 keys, not per key
+  // The slots of keys i0 .. i0 + 15, one division per 16 keys; past the last key, its slot
+  // again (a real key, whose weight the softmax sets to 0).
+  auto slots_from = [&](int64_t i0) {
     int64_t block = (first + i0) / block_size, offset = (first + i0) % block_size;
+    const int count = static_cast<int>(std::min<int64_t>(16, len - i0));
     for (int j = 0; j < count; ++j) {
       slots[j] = table[block] * block_size + offset;
       if (++offset == block_size) offset = 0, ++block;
     }
+    std::fill(slots + count, slots + 16, slots[count - 1]);
   };
   for (int64_t i0 = 0; i0 < len; i0 += 16) {
-    const int count = static_cast<int>(std::min<int64_t>(16, len - i0));
-    slots_from(i0, count);
+    slots_from(i0);
     for (int j = 0; j < 16; ++j) {
-      const T* row = keys + slots[std::min(j, count - 1)] * stride;  // padding: a real key
-      for (int64_t i = 0; i < heads; ++i) partial[i * 16 + kSumOrder[j]] = q[i].partial_dot(row + i / group * D);
+      const T* row = keys + slots[j] * stride;
+      for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t g = 0; g < group; ++g)
+          partial[(h * group + g) * 16 + kSumOrder[j]] = q[h * group + g].partial_dot(row + h * D);
     }
     for (int64_t i = 0; i < heads; ++i)
       _mm512_storeu_ps(scores + i * padded + i0, _mm512_mul_ps(sum_each(&partial[i * 16]), _mm512_set1_ps(scale)));
   }
   for (int64_t i = 0; i < heads; ++i) {
     float* si = scores + i * padded;
-    for (int64_t k = len; k < padded; ++k) si[k] = kMasked;  // the padding's weights are 0
+    for (int64_t k = len; k < padded; ++k) si[k] = kMasked;
     __m512 top_lanes = _mm512_loadu_ps(si);
     for (int64_t k = 16; k < padded; k += 16) top_lanes = _mm512_max_ps(top_lanes, _mm512_loadu_ps(si + k));
     peak[i] = _mm512_reduce_max_ps(top_lanes);
     const __m512 top = _mm512_set1_ps(peak[i]);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t k = 0; k < padded; k += 16) {
-      const __m512 w = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(si + k), top));
+      const __mmask16 keys_here = len - k >= 16 ? 0xffff : static_cast<__mmask16>((1u << (len - k)) - 1);
+      const __m512 w = _mm512_maskz_mov_ps(keys_here, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(si + k), top)));
       _mm512_storeu_ps(si + k, w);
       sum = _mm512_add_ps(sum, w);
     }
     total[i] = _mm512_reduce_add_ps(sum);
   }
   for (int64_t i0 = 0; i0 < len; i0 += 16) {
-    const int count = static_cast<int>(std::min<int64_t>(16, len - i0));
-    slots_from(i0, count);
+    slots_from(i0);
     for (int64_t h = 0; h < kv_heads; ++h)  // the rows just read for head 0 are in cache
-      ValueSum<T, D>::add(values + h * D, slots, count, stride, scores + h * group * padded + i0,
-                          padded, group, acc + h * group * D, i0 == 0);
+      ValueSum<T, D>::add(values + h * D, slots, stride, scores + h * group * padded + i0, padded,
+                          group, acc + h * group * D, i0 == 0);
   }
   ValueSum<T, D>::finish(heads, acc);
 }
