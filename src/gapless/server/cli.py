@@ -11,7 +11,6 @@ import argparse
 import logging
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -198,22 +197,10 @@ def run(args: argparse.Namespace) -> int:
         log.info("interrupted during startup")
         status = 1
     if args.tensor_parallel_size > 1 or args.nnodes > 1:
-        _exit_after_group(status)
+        from gapless.engine import distributed
+
+        distributed.exit_rank(status)
     return status
-
-
-def _exit_after_group(status: int) -> None:
-    """Ends a tensor-parallel rank once its group is shut down, without the interpreter's
-    teardown: there, c10d's threads were sometimes destroyed while still joinable, and rank 0
-    died with "terminate called without an active exception" (SIGABRT, 2-3 runs in 10 of
-    the two-host test) after serving and stopping cleanly."""
-    from gapless.engine import distributed
-
-    distributed.stop()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 def _serve(args: argparse.Namespace) -> int:
