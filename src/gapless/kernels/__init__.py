@@ -87,11 +87,8 @@ class Kernels:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV cache's and attention's dtype. A reduced one only where our bf16 kernel
-        attends prompt chunks: that is where it pays (the CPU flash op computes bf16 at the
-        float32 rate), and the flash op's bf16 rounding turned the default model's greedy
-        answer to "What is the capital of France?" from 'The' to 'L' (logits 0.03 apart)."""
-        return self.reduced_dtype if self.reduced_dtype and self.paged_prefill else self.dtype
+        """The KV cache's and attention's dtype (see _kv_dtype)."""
+        return _kv_dtype(self.dtype, self.reduced_dtype, self.paged_prefill)
 
     def linear(self, weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None) -> Linear:
         rows, dense = self.int_kernel_max_rows, self.reduced_dtype
@@ -175,6 +172,14 @@ class Kernels:
         return f"kernels: {where}, {dtype} {linear} linear, {attn} attention, {decode}, {quant}"
 
 
+def _kv_dtype(dtype: torch.dtype, reduced: torch.dtype | None, paged_prefill: bool) -> torch.dtype:
+    """A reduced dtype only where our bf16 kernel attends prompt chunks: that is where it pays
+    (the CPU flash op computes bf16 at the float32 rate), and the flash op's bf16 rounding
+    turned the default model's greedy answer to "What is the capital of France?" from 'The'
+    to 'L' (logits 0.03 apart)."""
+    return reduced if reduced and paged_prefill else dtype
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -202,7 +207,7 @@ def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) ->
     # With AMX the flash op's bf16 products run on AMX tiles; ours was never measured
     # against it there, so it keeps the chunks (no AMX machine was at hand).
     paged_prefill = cpu and "amx" not in machine().cpu_isa and paged_prefill_works(reduced or dtype)
-    kv_dtype = reduced if reduced and paged_prefill else dtype  # see Kernels.kv_dtype
+    kv_dtype = _kv_dtype(dtype, reduced, paged_prefill)  # probed before the Kernels exist
     kernels = Kernels(
         device,
         dtype,
