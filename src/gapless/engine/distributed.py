@@ -86,9 +86,15 @@ class _Group:
 _group: _Group | None = None
 
 
+def current() -> TensorParallel | None:
+    """This process's rank, if it is in a group."""
+    return None if _group is None else _group.parallel
+
+
 def start(size: int, launch: Launch) -> TensorParallel:
     """This process's rank in a group of `size` (formed on the first call; later calls return
-    it). Off torchrun, spawns the other ranks of this host first."""
+    it). Off torchrun, spawns the other ranks of this host first. If the group cannot form,
+    the ranks spawned for it are stopped before the error is raised."""
     global _group
     if _group is not None:
         if _group.parallel.size != size:
@@ -116,7 +122,13 @@ def start(size: int, launch: Launch) -> TensorParallel:
         store_host = rank == 0
         for local in range(1, per_node):
             children.append(_spawn(rank + local, local, per_node, size, addr, port, launch))
-    parallel, store = _join(rank, local_rank, per_node, size, addr, port, store_host, launch)
+    try:
+        parallel, store = _join(rank, local_rank, per_node, size, addr, port, store_host, launch)
+    except BaseException:
+        _end_children(children, wait_s=0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
     _group = _Group(parallel, store, children)
     if rank == 0:
         parallel.diagnose = _diagnose
@@ -164,15 +176,24 @@ def _spawn(
 ) -> subprocess.Popen:
     """A worker rank as a fresh interpreter (not multiprocessing, which would re-run the
     caller's main module in it)."""
-    args = json.dumps([rank, local_rank, per_node, size, addr, port, dataclasses.asdict(launch)])
+    launch_fields = dataclasses.asdict(launch)
+    args = json.dumps([rank, local_rank, per_node, size, addr, port, launch_fields, os.getpid()])
     code = f"import json, gapless.engine.distributed as d; d._spawned(*json.loads({args!r}))"
     return subprocess.Popen([sys.executable, "-c", code])
 
 
 def _spawned(
-    rank: int, local_rank: int, per_node: int, size: int, addr: str, port: int, launch: dict
+    rank: int,
+    local_rank: int,
+    per_node: int,
+    size: int,
+    addr: str,
+    port: int,
+    launch: dict,
+    parent: int,
 ) -> None:
     logging.basicConfig(level="INFO", format=f"%(levelname)s:     rank {rank}: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     global _group
     parallel, store = _join(rank, local_rank, per_node, size, addr, port, False, Launch(**launch))
     _group = _Group(parallel, store, [])
@@ -219,6 +240,15 @@ def serve_worker(parallel: TensorParallel) -> int:
     return 0
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A spawned rank ends when the process that spawned it is gone, however that ended (a
+    SIGKILL runs no cleanup there). Polled: Linux's parent-death signal follows the spawning
+    thread, not the process, and a user may build an engine on a thread that then ends."""
+    while os.getppid() == parent:
+        time.sleep(HEARTBEAT_S)
+    os._exit(1)
+
+
 def _beat(store: dist.Store, rank: int) -> None:
     while True:
         store.add(f"heartbeat/{rank}", 1)
@@ -239,9 +269,18 @@ def _diagnose(exc: BaseException) -> str:
     return f"tensor parallel: {who} ({type(exc).__name__}: {exc})"
 
 
+def abort() -> None:
+    """Ends the group after a failure (a build that failed part way, a failed step): nothing
+    more is sent, since a hung or dead worker could block it, and this host's workers are
+    killed. Afterwards a new group can form in this process."""
+    if _group is not None:
+        _group.failed = True
+    stop()
+
+
 def stop() -> None:
-    """Tells the workers to exit and waits for this host's; idempotent. After a failed step
-    nothing is sent (a hung worker could block it): the others' collectives time out."""
+    """Tells the workers to exit and waits for this host's, then leaves the process group and
+    closes its store (freeing the port); idempotent. After a failure, see abort()."""
     global _group
     group, _group = _group, None
     if group is None:
@@ -251,11 +290,17 @@ def stop() -> None:
             group.parallel.broadcast(None)
         except RuntimeError as e:
             log.warning("could not tell every rank to stop: %s", e)
-    for child in group.children:
+            group.failed = True
+    _end_children(group.children, wait_s=0 if group.failed else 10)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _end_children(children: list[subprocess.Popen], wait_s: float) -> None:
+    """Waits up to wait_s for this host's spawned ranks to exit, then kills the rest."""
+    for child in children:
         try:
-            child.wait(timeout=0 if group.failed else 10)
+            child.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-    if not group.failed:
-        dist.destroy_process_group()

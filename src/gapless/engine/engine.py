@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,9 +27,9 @@ from gapless.engine.stopping import StopStringFilter
 from gapless.engine.structured import GrammarCompiler, GrammarError
 from gapless.kernels import rank_device
 from gapless.kv.block_pool import BlockPool
-from gapless.model.checkpoint import load_model
+from gapless.model.checkpoint import load_model, read_model_config
 from gapless.model.decoder import Decoder
-from gapless.model.parallel import RankFailed
+from gapless.model.parallel import RankFailed, check_shardable
 from gapless.model.quantize import quantizer
 from gapless.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -159,6 +160,7 @@ class Engine:
         self._incoming: deque[Request] = deque()
         self._cancels: deque[str] = deque()
         self._lock = threading.Lock()
+        self._close: Callable[[], object] = lambda: None
 
     @classmethod
     def from_pretrained(
@@ -169,7 +171,9 @@ class Engine:
     ) -> Engine:
         """The engine of a checkpoint. With tensor_parallel_size > 1 this process is rank 0:
         it forms the group (spawning this host's other ranks; `launch` says where they sit)
-        and every rank loads its shard."""
+        and every rank loads its shard. A group this call forms is this engine's: close()
+        ends it. A build that fails ends the group before the error is raised, so a later
+        build in this process starts afresh."""
         config = config or EngineConfig()
         quantize = (config.quantize, config.quantize_group_size)
         if config.tensor_parallel_size == 1:
@@ -177,13 +181,27 @@ class Engine:
                 torch.set_num_threads(config.num_threads)
             device = rank_device(config.device, 0)
             return cls(*load_model(path, config.dtype, device, None, *quantize), config)
+        check_shardable(read_model_config(path), config.tensor_parallel_size)  # spawns nothing
         launch = launch or distributed.Launch(threads=config.num_threads, device=config.device)
+        owns_group = distributed.current() is None
         parallel = distributed.start(config.tensor_parallel_size, launch)
-        parallel.broadcast(distributed.LoadModel(str(path), config.dtype, *quantize))
-        engine = cls(*load_model(path, config.dtype, parallel.device, parallel, *quantize), config)
-        runner = engine.runner
-        parallel.broadcast(distributed.AllocateKV(runner.num_blocks, runner.block_size))
+        try:
+            parallel.broadcast(distributed.LoadModel(str(path), config.dtype, *quantize))
+            model = load_model(path, config.dtype, parallel.device, parallel, *quantize)
+            engine = cls(*model, config)
+            runner = engine.runner
+            parallel.broadcast(distributed.AllocateKV(runner.num_blocks, runner.block_size))
+        except BaseException:
+            distributed.abort()
+            raise
+        if owns_group:
+            engine._close = weakref.finalize(engine, distributed.stop)
         return engine
+
+    def close(self) -> None:
+        """Ends the tensor-parallel ranks this engine started (also done when it is garbage
+        collected, and at exit); idempotent. The engine runs no step afterwards."""
+        self._close()
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -25,7 +25,10 @@ class RequestOutput:
 
 
 class LLM:
-    """`LLM(path, **EngineConfig fields).generate(prompts, params)`."""
+    """`LLM(path, **EngineConfig fields).generate(prompts, params)`.
+
+    Under tensor parallelism its worker ranks are processes: `close()` ends them, as does
+    leaving a `with LLM(...) as llm:` block, garbage collection, or this process's exit."""
 
     def __init__(self, model: str | Path, **engine_fields) -> None:
         names = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -34,6 +37,15 @@ class LLM:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         self.engine = Engine.from_pretrained(model, EngineConfig(**engine_fields))
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def generate(
         self,

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 
+from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder
-from gapless.model.gguf import is_gguf, load_gguf
+from gapless.model.gguf import is_gguf, load_gguf, read_gguf_config
 from gapless.model.loader import load_decoder
 from gapless.model.parallel import TensorParallel
 from gapless.model.tokenizer import Tokenizer
@@ -27,3 +28,8 @@ def load_model(
         return load_gguf(path, dtype, device, parallel, quantize, group_size)
     decoder = load_decoder(path, dtype, device, parallel, quantize, group_size)
     return decoder, Tokenizer.from_pretrained(path)
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The model's configuration alone, without reading its weights."""
+    return read_gguf_config(path) if is_gguf(path) else ModelConfig.from_pretrained(path)

@@ -242,6 +242,10 @@ def load_gguf(
     return decoder, tokenizer_from_gguf(reader)
 
 
+def read_gguf_config(path: str | Path) -> ModelConfig:
+    return read_config(_Reader(path, "r"))
+
+
 def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix == ".gguf" and Path(path).is_file()
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from gapless.kernels import Kernels, Linear, resolve_dtype, select, tune_allocator
@@ -30,8 +32,19 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     single = path / "model.safetensors"
     if not single.is_file():
         raise WeightError(f"no model.safetensors or model.safetensors.index.json in {path}")
-    with safe_open(single, framework="pt") as f:
+    with _open(single) as f:
         return dict.fromkeys(f.keys(), single)
+
+
+@contextmanager
+def _open(file: Path) -> Iterator[Any]:
+    """A safetensors file, memory-mapped; a damaged one (a truncated download) is a
+    WeightError naming it."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise WeightError(f"{file} is not a readable safetensors file: {e}") from e
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -107,7 +120,7 @@ def load_weights(
         by_file.setdefault(files[name], []).append(name)
     bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", delay=1.0)
     for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:  # memory-mapped
+        with _open(file) as f:
             for name in names:
                 check_shape(name, tuple(f.get_slice(name).get_shape()), expected[name])
                 weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)

@@ -196,6 +196,10 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         log.info("interrupted during startup")
         status = 1
+    except Exception:
+        # Still through exit_rank below: a failed start leaves no rank behind.
+        log.exception("gapless serve failed")
+        status = 1
     if args.tensor_parallel_size > 1 or args.nnodes > 1:
         from gapless.engine import distributed
 
@@ -207,7 +211,9 @@ def _serve(args: argparse.Namespace) -> int:
     from gapless.engine import distributed
     from gapless.engine.async_engine import engine_thread
     from gapless.engine.engine import Engine
+    from gapless.model.checkpoint import read_model_config
     from gapless.model.gguf import is_gguf, model_name
+    from gapless.model.parallel import ShardError, check_shardable
     from gapless.server.app import GaplessServer, ServerSettings
 
     if args.model is None:
@@ -235,9 +241,14 @@ def _serve(args: argparse.Namespace) -> int:
             device=args.device,
         )
         if config.tensor_parallel_size > 1:
+            # Before any rank starts: the common misfit spawns nothing.
+            check_shardable(read_model_config(model_dir), config.tensor_parallel_size)
             parallel = distributed.start(config.tensor_parallel_size, launch)
             if parallel.rank != 0:  # a worker: rank 0 schedules and serves
                 return distributed.serve_worker(parallel)
+    except ShardError as e:
+        log.error("cannot split %s over %d ranks: %s", model_dir, args.tensor_parallel_size, e)
+        return 2
     except ValueError as e:
         log.error("bad option: %s", e)
         return 2
