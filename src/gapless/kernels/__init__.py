@@ -37,7 +37,7 @@ from gapless.kernels.probe import (
     paged_decode_works,
     paged_prefill_works,
 )
-from gapless.model.quantize import GroupQuant
+from gapless.kernels.quant import GroupQuant
 
 if TYPE_CHECKING:
     from gapless.model.decoder import AttentionGroup

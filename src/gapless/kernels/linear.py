@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gapless.model.quantize import GroupQuant
+from gapless.kernels.quant import GroupQuant
 
 
 class PlainLinear:

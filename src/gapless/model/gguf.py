@@ -19,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from gapless.kernels import resolve_dtype, select
+from gapless.kernels.quant import GroupQuant
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder
 from gapless.model.gguf_tokenizer import field_value, tokenizer_from_gguf
@@ -31,7 +32,7 @@ from gapless.model.loader import (
     expected_shapes,
 )
 from gapless.model.parallel import TensorParallel
-from gapless.model.quantize import GroupQuant, quantizer
+from gapless.model.quantize import quantizer
 from gapless.model.tokenizer import Tokenizer
 
 # general.architecture -> the Hugging Face architecture with the same decoder.

@@ -13,10 +13,11 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from gapless.kernels import Kernels, Linear, resolve_dtype, select, tune_allocator
+from gapless.kernels.quant import GroupQuant
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder, Layer
 from gapless.model.parallel import TensorParallel, shard_config, shard_weights
-from gapless.model.quantize import GroupQuant, quantizer
+from gapless.model.quantize import quantizer
 
 
 class WeightError(ValueError):
