@@ -1,7 +1,8 @@
 """Per-request sampling and stopping options, validated at construction.
 
-Every option a client controls is bounded here, so the work a request can make the engine do
-per step is bounded before the request is admitted (see docs/server.md, Limits).
+Every option a client controls is bounded here, or by the model's vocabulary in admission.py,
+so the work a request can make the engine do per step is bounded before the request is
+admitted (see docs/server.md, Limits).
 """
 
 from __future__ import annotations
@@ -92,18 +93,6 @@ class SamplingParams:
                 value = repr(getattr(self, name))
                 shown = value if len(value) <= 80 else f"{value[:60]}... ({len(value)} characters)"
                 raise SamplingParamsError(name, f"{name} {why}, got {shown}")
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """The limits that depend on the model: token ids and top_k within its vocabulary."""
-        if self.top_k > vocab_size:
-            raise SamplingParamsError(
-                "top_k", f"top_k must be at most the vocabulary size {vocab_size}, got {self.top_k}"
-            )
-        bad = next((t for t in self.stop_token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise SamplingParamsError(
-                "stop_token_ids", f"stop_token_ids must be in [0, {vocab_size}), got {bad}"
-            )
 
     @property
     def greedy(self) -> bool:

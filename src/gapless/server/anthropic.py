@@ -10,22 +10,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gapless.engine.admission import Admission
 from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.structured import GrammarCompiler
-from gapless.model.tokenizer import Tokenizer
 from gapless.server import protocol, tool_calls
 from gapless.server.endpoint import (
     Renderer,
     ServerState,
     generate,
-    new_request_id,
+    parse_off_loop,
     progress_comment,
     read_json,
     sse,
@@ -36,6 +36,10 @@ from gapless.server.tool_calls import ToolCall, ToolCallStream, ToolRequest
 
 # Anthropic's error types where ours differ in name.
 _ERROR_TYPES = {"server_error": "api_error"}
+# A message's id is this and the request's id.
+ID_PREFIX = "msg_"
+# The request's names for the engine's fields.
+FIELD_NAMES = {"prompt": "messages", "stop": "stop_sequences"}
 
 
 def error_body(error: APIError) -> dict[str, Any]:
@@ -148,9 +152,10 @@ def tool_request(body: dict[str, Any]) -> ToolRequest | None:
 
 
 def prompt_ids_of(
-    body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int, tools: ToolRequest | None
+    body: dict[str, Any], admission: Admission, tools: ToolRequest | None
 ) -> list[int]:
-    """The prompt of `system`, `messages` and the tools offered, through the chat template."""
+    """The ids of `system`, `messages` and the tools offered through the chat template, not
+    yet checked as a prompt (count_tokens counts them whatever their length)."""
     messages = protocol.chat_messages(body, ("user", "assistant"))
     conversation = []
     system = protocol.text_content(body.get("system"), "system")
@@ -159,13 +164,12 @@ def prompt_ids_of(
     for i, message in enumerate(messages):
         conversation += _turn(message, i)
     offered = {"tools": tools.tools if tools is not None and tools.tools else None}
-    return protocol.encode_chat(tokenizer, conversation, max_model_len, "messages", offered)
+    return admission.encode_chat(conversation, **offered)
 
 
 def parse_messages(
     body: dict[str, Any],
-    tokenizer: Tokenizer,
-    max_model_len: int,
+    admission: Admission,
     grammars: GrammarCompiler,
     configured_parser: str | None,
 ) -> ParsedMessages:
@@ -175,16 +179,14 @@ def parse_messages(
     if requested < 1:
         raise invalid(f"max_tokens must be at least 1, got {requested}", "max_tokens")
     tools = tool_request(body)
-    prompt_ids = prompt_ids_of(body, tokenizer, max_model_len, tools)
+    prompt_ids = admission.check_prompt(prompt_ids_of(body, admission, tools))
     fields = protocol.number_fields(
         body,
         floats={"temperature": "temperature", "top_p": "top_p"},
         ints={"top_k": "top_k"},
     )
     fields.update(
-        max_tokens=protocol.max_tokens(
-            requested, "max_tokens", len(prompt_ids), "messages", max_model_len
-        ),
+        max_tokens=admission.output_budget(requested, len(prompt_ids)),
         stop=protocol.stop_field(body, "stop_sequences"),
     )
     parser = None
@@ -193,11 +195,11 @@ def parse_messages(
         schema = tool_calls.forced_calls_schema(tools)
         fields["grammar"] = checked_schema_grammar(schema, grammars, "tools")
     elif tools is not None and tools.tools:
-        parser = tool_calls.choose_parser(tokenizer.chat_template, configured_parser)
+        parser = tool_calls.choose_parser(admission.tokenizer.chat_template, configured_parser)
         # Tool-call markers such as [TOOL_CALLS] are often special tokens: keep their text.
         fields["skip_special_tokens"] = False
-    params = protocol.sampling_params(fields, {"stop": "stop_sequences"})
-    return ParsedMessages(prompt_ids, params, bool(bool_field(body, "stream")), tools, parser)
+    stream = bool(bool_field(body, "stream"))
+    return ParsedMessages(prompt_ids, SamplingParams(**fields), stream, tools, parser)
 
 
 # -- rendering engine events ---------------------------------------------------------------
@@ -227,7 +229,7 @@ def _usage(finished: FinishedEvent) -> dict[str, Any]:
 class _MessageRenderer(Renderer):
     def __init__(self, state: ServerState, parsed: ParsedMessages, request_id: str) -> None:
         super().__init__()
-        self.id = f"msg_{request_id}"
+        self.id = f"{ID_PREFIX}{request_id}"
         self.model = state.settings.served_model_name
         self.input_tokens = len(parsed.prompt_ids)
         tools = parsed.tools
@@ -333,29 +335,16 @@ def _tool_use(call: ToolCall) -> dict[str, Any]:
 async def messages(state: ServerState, request: Request) -> Response:
     body = await read_json(state, request)
     protocol.check_model(body.get("model"), state.settings.served_model_name)
-    # Chat templating and tokenizing a long prompt take a while: keep the event loop free.
-    engine = state.engine
-    parsed = await anyio.to_thread.run_sync(
-        parse_messages,
-        body,
-        engine.tokenizer,
-        engine.max_model_len,
-        engine.grammars,
-        state.settings.tool_call_parser,
-    )
-    request_id = new_request_id()
-    renderer = _MessageRenderer(state, parsed, request_id)
-    return generate(
-        state, parsed.prompt_ids, parsed.params, renderer, parsed.stream, request_id, "messages"
-    )
+    engine, parser = state.engine, state.settings.tool_call_parser
+    parse = partial(parse_messages, body, engine.admission, engine.grammars, parser)
+    return await generate(state, FIELD_NAMES, parse, partial(_MessageRenderer, state))
 
 
 async def count_tokens(state: ServerState, request: Request) -> Response:
     body = await read_json(state, request)
     protocol.check_model(body.get("model"), state.settings.served_model_name)
-    prompt_ids = await anyio.to_thread.run_sync(
-        prompt_ids_of, body, state.engine.tokenizer, state.engine.max_model_len, tool_request(body)
-    )
+    count = partial(prompt_ids_of, body, state.engine.admission, tool_request(body))
+    prompt_ids = await parse_off_loop(FIELD_NAMES, count)
     return JSONResponse({"input_tokens": len(prompt_ids)})
 
 

@@ -1,7 +1,7 @@
 """The HTTP server: every API dialect's routes over one AsyncEngine, and graceful shutdown.
 
-Each API dialect is one module (e.g. openai.py) listing its ROUTES and its
-error shape; what their endpoints share is endpoint.py.
+Each API dialect is one module (OpenAI's, one per endpoint) listing its ROUTES, with the
+dialect's error shape; what their endpoints share is endpoint.py.
 """
 
 from __future__ import annotations
@@ -24,10 +24,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gapless.engine.engine import Engine
-from gapless.server import anthropic, ollama, openai, protocol
+from gapless.server import (
+    anthropic,
+    ollama,
+    openai_chat,
+    openai_common,
+    openai_completions,
+    protocol,
+    tokenization,
+)
 from gapless.server.endpoint import (
     ServerSettings,
     ServerState,
+    cancel_endpoint,
     endpoint,
     error_response,
     max_json_values,
@@ -42,8 +51,28 @@ log = logging.getLogger("gapless.server")
 # After the engine failed, the server answers 503 this long before it exits.
 FAILED_LINGER_S = 2.0
 
-# One module per API dialect: its ROUTES, and its error_body for every error on them.
-DIALECTS = (openai, anthropic, ollama)
+# A live request of any dialect is cancelled by its id, or the id its response carries.
+CANCEL_ROUTE = (
+    "POST",
+    "/v1/cancel/{request_id}",
+    cancel_endpoint((openai_chat.ID_PREFIX, openai_completions.ID_PREFIX, anthropic.ID_PREFIX)),
+)
+
+# Each API dialect's routes, with its error_body for every error on them.
+DIALECTS = (
+    (
+        [
+            *openai_common.ROUTES,
+            *openai_chat.ROUTES,
+            *openai_completions.ROUTES,
+            *tokenization.ROUTES,
+            CANCEL_ROUTE,
+        ],
+        openai_common.error_body,
+    ),
+    (anthropic.ROUTES, anthropic.error_body),
+    (ollama.ROUTES, ollama.error_body),
+)
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -63,22 +92,20 @@ def build_app(state: ServerState) -> Starlette:
     ]
     # A wrong method on a dialect's path gets that dialect's error shape; anything else, OpenAI's.
     error_bodies = {}
-    for dialect in DIALECTS:
-        for method, path, handler in dialect.ROUTES:
-            routes.append(
-                Route(path, endpoint(state, handler, dialect.error_body), methods=[method])
-            )
-            error_bodies[path] = dialect.error_body
+    for dialect_routes, error_body in DIALECTS:
+        for method, path, handler in dialect_routes:
+            routes.append(Route(path, endpoint(state, handler, error_body), methods=[method]))
+            error_bodies[path] = error_body
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        error_body = error_bodies.get(request.url.path, openai.error_body)
+        error_body = error_bodies.get(request.url.path, openai_common.error_body)
         return error_response(APIError(exc.status_code, str(exc.detail), kind), error_body)
 
     async def server_error(request: Request, exc: Exception) -> Response:
         error = protocol.server_error(f"{type(exc).__name__}: {exc}")
-        return error_response(error, error_bodies.get(request.url.path, openai.error_body))
+        return error_response(error, error_bodies.get(request.url.path, openai_common.error_body))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -1,7 +1,8 @@
-"""What every API dialect's endpoints share: reading the body, auth, admission into the engine,
-the response (streamed or whole) with cancel-on-disconnect, and errors.
+"""What every API dialect's endpoints share: reading the body, auth, admission into the engine
+(and the engine's refusals in the request's field names), the response (streamed or whole)
+with cancel-on-disconnect, cancellation by id, and errors.
 
-A dialect module (e.g. openai.py) parses its requests into prompt ids and
+A dialect module (e.g. anthropic.py) parses its requests into checked prompt ids and
 SamplingParams, renders engine events with a Renderer subclass, shapes APIError with its own
 `error_body`, and lists its ROUTES; app.py registers them.
 """
@@ -14,20 +15,21 @@ import hmac
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from gapless.engine.admission import RequestError
 from gapless.engine.async_engine import AsyncEngine
-from gapless.engine.engine import Engine, EngineFailed, QueueFull, RequestError
+from gapless.engine.engine import Engine, EngineFailed, QueueFull
 from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent
-from gapless.engine.sampling_params import SamplingParams
+from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
 from gapless.server import protocol
 from gapless.server.protocol import APIError
 
@@ -37,6 +39,10 @@ RETRY_AFTER_S = "1"
 
 # An APIError as one dialect's JSON error body.
 ErrorBody = Callable[[APIError], dict[str, Any]]
+
+# A request's names for the engine's fields where they differ (prompt -> messages, max_tokens
+# -> num_predict, ...), so that an error names the field the client sent.
+FieldNames = Mapping[str, str]
 
 
 @dataclass
@@ -254,8 +260,9 @@ class EngineResponse:
 
 
 @contextlib.contextmanager
-def _admission_errors(prompt_param: str) -> Iterator[None]:
-    """The engine's refusals of a new request as API errors."""
+def admission_errors(names: FieldNames | None = None) -> Iterator[None]:
+    """The engine's refusals of a request, by its checks while the request is parsed or at
+    admission, as API errors naming the request's fields (`names`)."""
     try:
         yield
     except QueueFull as e:
@@ -268,32 +275,57 @@ def _admission_errors(prompt_param: str) -> Iterator[None]:
         ) from e
     except EngineFailed as e:
         raise APIError(503, f"the engine failed: {e}", "server_error", code="engine_failed") from e
-    except RequestError as e:
-        param = prompt_param if e.param == "prompt" else e.param
-        raise protocol.invalid(str(e), param, e.code) from e
+    except (RequestError, SamplingParamsError) as e:
+        message, param = str(e), e.param
+        name = (names or {}).get(param, param)
+        # A message that begins with the field's name (`top_k must be ...`) names it as the
+        # request does; others speak of it in words (`the prompt has 9000 tokens, ...`).
+        if name != param and message.startswith(f"{param} "):
+            message = f"{name}{message[len(param) :]}"
+        code = e.code if isinstance(e, RequestError) else None
+        raise protocol.invalid(message, name, code) from e
 
 
-def new_request_id() -> str:
-    return uuid.uuid4().hex
+T = TypeVar("T")
 
 
-def generate(
+async def parse_off_loop(names: FieldNames, parse: Callable[[], T]) -> T:
+    """A dialect's parse of a request, run in a thread: chat templating and tokenizing a long
+    prompt take a while, and the event loop must stay free. The engine's refusals come out as
+    API errors naming the request's fields."""
+    with admission_errors(names):
+        return await anyio.to_thread.run_sync(parse)
+
+
+class Parsed(Protocol):
+    """A dialect's parsed request, ready for the engine."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+
+
+P = TypeVar("P", bound=Parsed)
+
+
+async def generate(
     state: ServerState,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    renderer: Renderer,
-    stream: bool,
-    request_id: str,
-    prompt_param: str = "prompt",
+    names: FieldNames,
+    parse: Callable[[], P],
+    renderer: Callable[[P, str], Renderer],
 ) -> EngineResponse:
-    """Admits one request into the engine and answers with its events, as `renderer` shapes
-    them. AsyncEngine.stream adds the request at once, so a refusal (queue full, a prompt the
-    engine rejects) is raised here, before the response exists."""
+    """Parses a request (off the event loop), admits it into the engine and answers with its
+    events, as renderer(parsed, request_id) shapes them. AsyncEngine.stream adds the request
+    at once, so a refusal (queue full, params the engine rejects) is raised here, before the
+    response exists; every refusal names the request's fields (`names`)."""
+    parsed = await parse_off_loop(names, parse)
     if state.draining:
         raise draining_error()
-    with _admission_errors(prompt_param):
-        events = state.async_engine.stream(prompt_ids, params, request_id)
-    return EngineResponse(state, request_id, renderer, events, stream)
+    request_id = uuid.uuid4().hex
+    shaped = renderer(parsed, request_id)
+    with admission_errors(names):
+        events = state.async_engine.stream(parsed.prompt_ids, parsed.params, request_id)
+    return EngineResponse(state, request_id, shaped, events, parsed.stream)
 
 
 def draining_error() -> APIError:
@@ -389,6 +421,28 @@ def _authorize(state: ServerState, request: Request) -> None:
 
 
 Handler = Callable[[ServerState, Request], Awaitable[Response]]
+
+
+def cancel_endpoint(id_prefixes: Iterable[str]) -> Handler:
+    """POST /v1/cancel/{request_id}: cancels a live request of any dialect, named by its bare
+    id or by the id its response carries, a dialect's prefix (`id_prefixes`) and all."""
+    prefixes = tuple(id_prefixes)
+
+    async def cancel(state: ServerState, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        for prefix in prefixes:
+            request_id = request_id.removeprefix(prefix)
+        if not state.async_engine.cancel(request_id):
+            raise APIError(
+                404,
+                f"no live request {request_id!r}",
+                "not_found_error",
+                "request_id",
+                "request_not_found",
+            )
+        return JSONResponse({"id": request_id, "object": "cancellation", "cancelled": True})
+
+    return cancel
 
 
 def endpoint(

@@ -9,23 +9,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from importlib.metadata import version
 from typing import Any
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gapless.engine.admission import Admission
 from gapless.engine.events import FinishedEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
-from gapless.model.tokenizer import Tokenizer
 from gapless.server import protocol
 from gapless.server.endpoint import (
+    FieldNames,
     Renderer,
     ServerState,
     generate,
     ndjson,
-    new_request_id,
     read_json,
 )
 from gapless.server.protocol import APIError, bool_field, invalid, str_field
@@ -41,6 +41,8 @@ _FLOAT_OPTIONS = {
     "frequency_penalty": "frequency_penalty",
 }
 _INT_OPTIONS = {"top_k": "top_k", "seed": "seed"}
+# The request's names for the engine's fields where the options name them differently.
+_OPTION_NAMES = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
 
 
 def error_body(error: APIError) -> dict[str, Any]:
@@ -70,20 +72,21 @@ def _check_model(state: ServerState, body: dict[str, Any]) -> str:
     raise APIError(404, f"model {model!r} not found; this server serves {_model_name(state)!r}")
 
 
-def _sampling(
-    body: dict[str, Any], prompt_len: int, max_model_len: int, prompt_param: str
-) -> SamplingParams:
+def field_names(chat: bool) -> FieldNames:
+    """The request's names for the engine's fields: a chat's prompt is its messages."""
+    return {**_OPTION_NAMES, "prompt": "messages"} if chat else _OPTION_NAMES
+
+
+def _sampling(body: dict[str, Any], admission: Admission, prompt_len: int) -> SamplingParams:
     options = protocol.dict_field(body, "options") or {}
     fields = protocol.number_fields(options, _FLOAT_OPTIONS, _INT_OPTIONS)
     num_predict = protocol.int_field(options, "num_predict")
     # -1 (no limit) and -2 (fill the context) both mean: the rest of the context.
     if num_predict is not None and num_predict < 0:
         num_predict = None
-    fields["max_tokens"] = protocol.max_tokens(
-        num_predict, "num_predict", prompt_len, prompt_param, max_model_len
-    )
+    fields["max_tokens"] = admission.output_budget(num_predict, prompt_len)
     fields["stop"] = protocol.stop_field(options)
-    return protocol.sampling_params(fields, {"repetition_penalty": "repeat_penalty"})
+    return SamplingParams(**fields)
 
 
 def _stream(body: dict[str, Any]) -> bool:
@@ -101,29 +104,27 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def parse_chat(body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int) -> ParsedOllama:
+def parse_chat(body: dict[str, Any], admission: Admission) -> ParsedOllama:
     tools = protocol.list_field(body, "tools") or None
-    prompt_ids = protocol.encode_chat(
-        tokenizer, _messages(body), max_model_len, "messages", {"tools": tools}
-    )
-    params = _sampling(body, len(prompt_ids), max_model_len, "messages")
+    prompt_ids = admission.check_prompt(admission.encode_chat(_messages(body), tools=tools))
+    params = _sampling(body, admission, len(prompt_ids))
     return ParsedOllama(prompt_ids, params, _stream(body))
 
 
-def parse_generate(body: dict[str, Any], tokenizer: Tokenizer, max_model_len: int) -> ParsedOllama:
+def parse_generate(body: dict[str, Any], admission: Admission) -> ParsedOllama:
     """A prompt goes through the chat template as a user message (after `system`, if any),
     as Ollama does, unless `raw` is set or the model has no template."""
     prompt = str_field(body, "prompt") or ""
     system = str_field(body, "system")
     if body.get("images"):
         raise invalid("images are not supported", "images")
-    if bool_field(body, "raw") or tokenizer.chat_template is None:
-        prompt_ids = protocol.encode_prompt(tokenizer, prompt, max_model_len, "prompt")
+    if bool_field(body, "raw") or admission.tokenizer.chat_template is None:
+        prompt_ids = admission.check_prompt(prompt)
     else:
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
-        prompt_ids = protocol.encode_chat(tokenizer, messages, max_model_len, "prompt", {})
-    params = _sampling(body, len(prompt_ids), max_model_len, "prompt")
+        prompt_ids = admission.check_prompt(admission.encode_chat(messages))
+    params = _sampling(body, admission, len(prompt_ids))
     return ParsedOllama(prompt_ids, params, _stream(body))
 
 
@@ -196,17 +197,9 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
         # An empty prompt only loads the model, which is always loaded here.
         loaded = {"model": model, "created_at": _created_at(), "response": "", "done": True}
         return JSONResponse({**loaded, "done_reason": "load"})
-    parse = parse_chat if chat else parse_generate
-    # Chat templating and tokenizing a long prompt take a while: keep the event loop free.
-    parsed = await anyio.to_thread.run_sync(
-        parse, body, state.engine.tokenizer, state.engine.max_model_len
-    )
-    request_id = new_request_id()
+    parse = partial(parse_chat if chat else parse_generate, body, state.engine.admission)
     renderer = _OllamaRenderer(model, chat)
-    prompt_param = "messages" if chat else "prompt"
-    return generate(
-        state, parsed.prompt_ids, parsed.params, renderer, parsed.stream, request_id, prompt_param
-    )
+    return await generate(state, field_names(chat), parse, lambda parsed, request_id: renderer)
 
 
 async def chat(state: ServerState, request: Request) -> Response:

@@ -1,8 +1,10 @@
 """Request validation that every API dialect shares.
 
 Requests are validated before the engine sees them, so every mistake a client can make
-becomes a 4xx naming the offending field. Each dialect module (e.g. openai.py) reads its own
-field names with these helpers and shapes APIError its own way.
+becomes a 4xx naming the offending field. Each dialect module (e.g. anthropic.py) reads its own
+field names with these helpers and shapes APIError its own way; the checks against the model
+(the prompt's length and ids, the output budget) are the engine's Admission, whose refusals
+endpoint.admission_errors names as the request does.
 Fields a dialect does not know are ignored, since clients send extras.
 """
 
@@ -14,8 +16,7 @@ import re
 import time
 from typing import Any
 
-from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
-from gapless.model.tokenizer import Tokenizer, is_unicode
+from gapless.model.tokenizer import is_unicode
 
 
 class APIError(Exception):
@@ -215,48 +216,7 @@ def check_model(model: Any, served: str) -> None:
     )
 
 
-# -- prompts and limits --------------------------------------------------------------------
-
-
-def check_text_fits(tokenizer: Tokenizer, num_chars: int, max_model_len: int, param: str) -> None:
-    """Refuses, before tokenizing, a text too long to fit the context with any tokenization:
-    a 15 MB prompt costs nothing, instead of seconds of tokenizing and gigabytes of memory."""
-    if tokenizer.surely_exceeds(num_chars, max_model_len):
-        raise invalid(
-            f"the prompt has {num_chars} characters, more than this model's maximum context "
-            f"length of {max_model_len} tokens can hold",
-            param,
-            "context_length_exceeded",
-        )
-
-
-def encode_prompt(tokenizer: Tokenizer, text: str, max_model_len: int, param: str) -> list[int]:
-    if not text:
-        raise invalid("the prompt is empty", param)
-    check_text_fits(tokenizer, len(text), max_model_len, param)
-    return tokenizer.encode(text)
-
-
-def encode_chat(
-    tokenizer: Tokenizer,
-    messages: list[dict[str, Any]],
-    max_model_len: int,
-    param: str,
-    template_kwargs: dict[str, Any],
-) -> list[int]:
-    """Prompt ids of a conversation through the checkpoint's chat template. Messages are in
-    the shape transformers' apply_chat_template takes (content may be None); template_kwargs
-    (tools, ...) are the template's variables, whatever their names."""
-    # The rendered prompt holds every message's content.
-    chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
-    check_text_fits(tokenizer, chars, max_model_len, param)
-    try:
-        prompt_ids = tokenizer.encode_chat(messages, **template_kwargs)
-    except ValueError as e:  # no template, or the template rejected the conversation
-        raise invalid(str(e), param) from e
-    if not prompt_ids:
-        raise invalid("the prompt is empty", param)
-    return prompt_ids
+# -- chat messages -------------------------------------------------------------------------
 
 
 def template_message(message: dict[str, Any], param: str) -> dict[str, Any]:
@@ -293,44 +253,6 @@ def _template_tool_call(call: Any, param: str) -> dict[str, Any]:
     if not isinstance(arguments, dict):
         raise invalid("tool call arguments must be a JSON object", f"{param}.function.arguments")
     return {**call, "function": {**function, "arguments": arguments}}
-
-
-def max_tokens(
-    requested: int | None, param: str, prompt_len: int, prompt_param: str, max_model_len: int
-) -> int:
-    """The output budget: `requested` checked against the context, or all of the context
-    the prompt leaves when None."""
-    if prompt_len >= max_model_len:
-        raise invalid(
-            f"this model's maximum context length is {max_model_len} tokens, but the prompt "
-            f"has {prompt_len} tokens (at most {max_model_len - 1} leave room for output)",
-            prompt_param,
-            "context_length_exceeded",
-        )
-    room = max_model_len - prompt_len
-    if requested is None:
-        return room
-    if requested < 0:
-        raise invalid(f"{param} must be >= 0, got {requested}", param)
-    if requested > room:
-        raise invalid(
-            f"this model's maximum context length is {max_model_len} tokens, but "
-            f"{prompt_len + requested} were requested ({prompt_len} in the prompt, "
-            f"{requested} for the output); {param} can be at most {room}",
-            param,
-            "context_length_exceeded",
-        )
-    return requested
-
-
-def sampling_params(fields: dict[str, Any], rename: dict[str, str] | None = None) -> SamplingParams:
-    """SamplingParams from validated fields; its range checks name the request's field,
-    `rename` mapping field names to the request's names for them."""
-    try:
-        return SamplingParams(**fields)
-    except SamplingParamsError as e:
-        param = (rename or {}).get(e.param, e.param)
-        raise invalid(str(e).replace(e.param, param, 1), param) from e
 
 
 def now() -> int:
