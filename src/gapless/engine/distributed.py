@@ -28,8 +28,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from gapless.device import collective_backend, rank_device
 from gapless.engine.runner import ModelRunner
-from gapless.kernels import collective_backend, rank_device
 from gapless.model.checkpoint import load_model
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import TensorParallel

@@ -12,7 +12,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from gapless.kernels import Kernels, Linear, resolve_dtype, select, tune_allocator
+from gapless.device import tune_allocator
+from gapless.kernels import Kernels, Linear, resolve_dtype, select
 from gapless.kernels.quant import GroupQuant
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder, Layer
