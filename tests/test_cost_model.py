@@ -64,11 +64,11 @@ def test_steps_slower_than_predicted_shrink_the_budget_until_they_meet_the_targe
 def test_engine_with_a_latency_target_gives_the_same_tokens(checkpoint):
     path = checkpoint("llama")
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    want = Engine.from_pretrained(path, EngineConfig(dtype="float32"))
+    want = Engine.from_pretrained(path, EngineConfig.of(dtype="float32"))
     outs = []
     for engine in (
         want,
-        Engine.from_pretrained(path, EngineConfig(dtype="float32", target_itl_ms=5)),
+        Engine.from_pretrained(path, EngineConfig.of(dtype="float32", target_itl_ms=5)),
     ):
         ids = [engine.add_request([5 + i] * (30 + 40 * i), params) for i in range(4)]
         tokens: dict[str, list[int]] = {i: [] for i in ids}

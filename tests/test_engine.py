@@ -25,7 +25,7 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 @pytest.fixture
 def make_engine(checkpoint):
     def make(arch: str = "llama", **fields) -> Engine:
-        return Engine.from_pretrained(checkpoint(arch), EngineConfig(dtype="float32", **fields))
+        return Engine.from_pretrained(checkpoint(arch), EngineConfig.of(dtype="float32", **fields))
 
     return make
 
@@ -141,7 +141,7 @@ def test_runner_that_cannot_chunk_is_served_whole(make_engine, checkpoint, caplo
     base = make_engine()
     runner = WholePromptRunner(base.decoder, 64, 16)
     with caplog.at_level(logging.WARNING, logger="gapless.engine"):
-        engine = Engine(base.decoder, base.tokenizer, EngineConfig(prefill_chunk=16), runner)
+        engine = Engine(base.decoder, base.tokenizer, EngineConfig.of(prefill_chunk=16), runner)
     assert "cannot prefill in chunks" in caplog.text
     ids = [engine.add_request(p, greedy(8)) for p in prompts]
     events = run(engine)
@@ -205,7 +205,7 @@ def test_progress_events_per_chunk(make_engine):
 
 def test_idle_fast_path_prefills_5000_tokens_in_two_steps(checkpoint):
     path = checkpoint("llama", max_position_embeddings=8192)
-    engine = Engine.from_pretrained(path, EngineConfig(dtype="float32"))
+    engine = Engine.from_pretrained(path, EngineConfig.of(dtype="float32"))
     rid = engine.add_request(prompt(5000), greedy(1))
     steps = 0
     while engine._requests.get(rid) and not engine._requests[rid][0].output_ids:
@@ -351,7 +351,7 @@ def test_top_p_wider_than_the_candidate_head_matches_a_full_sort():
 )
 def test_bad_engine_config_is_refused_by_name(field, value, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(**{field: value})
+        EngineConfig.of(**{field: value})
 
 
 def test_shortest_policy_ages_a_long_prompt_so_it_does_not_starve(make_engine):

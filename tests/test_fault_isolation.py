@@ -177,7 +177,7 @@ def test_hostile_requests_beside_a_stream_leave_its_tokens_exactly_alone(
 
 @pytest.fixture
 def engine(llama_dir: Path) -> Engine:
-    return Engine.from_pretrained(llama_dir, EngineConfig(dtype="float32", kv_cache_tokens=4096))
+    return Engine.from_pretrained(llama_dir, EngineConfig.of(dtype="float32", kv_cache_tokens=4096))
 
 
 def _run(engine: Engine) -> dict[str, list[Any]]:
@@ -230,10 +230,11 @@ def test_a_sampler_fault_in_one_row_fails_only_that_request(
     ids = _add_all(engine)
     victim = ids[0]
     real_sample = engine_module.sample
+    victim_states = [r.sampling for r in engine._requests[victim]]
 
-    def faulty_sample(requests: list[Any], logits: Any) -> Any:
-        out = real_sample(requests, logits)  # draws first: the retry must rewind the seeds
-        if any(r.request_id == victim for r in requests):
+    def faulty_sample(states: list[Any], logits: Any) -> Any:
+        out = real_sample(states, logits)  # draws first: the retry must rewind the seeds
+        if any(s is v for s in states for v in victim_states):
             raise OverflowError("injected sampler fault")
         return out
 

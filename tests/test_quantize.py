@@ -147,6 +147,6 @@ def test_chunk_size_does_not_change_quantized_tokens(demo_checkpoint, demo_text_
 
 def test_unknown_quantization_is_a_clear_error(demo_checkpoint):
     with pytest.raises(ValueError, match="unknown quantization 'int3'; choose int8 or int4"):
-        EngineConfig(quantize="int3")
+        EngineConfig.of(quantize="int3")
     with pytest.raises(ValueError, match=r"int4 group size must be one of \(32, 64, 128\)"):
         LLM(demo_checkpoint, quantize="int4", quantize_group_size=48)

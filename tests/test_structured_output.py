@@ -34,7 +34,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 @pytest.fixture
 def engine(checkpoint) -> Engine:
     # Small chunks, also when idle: a long prompt prefills over many steps.
-    config = EngineConfig(
+    config = EngineConfig.of(
         dtype="float32",
         device="cpu",
         prefill_chunk=16,
@@ -119,7 +119,7 @@ def test_a_failing_grammar_fails_only_its_request(engine):
     def broken():
         raise GrammarError("the matcher broke")
 
-    engine._requests[bad][0].matcher.allowed = broken
+    engine._requests[bad][0].sampling.matcher.allowed = broken
     got = run(engine)
     assert got[bad, 0]["finish"].finish_reason == "error"
     assert "the matcher broke" in got[bad, 0]["finish"].error

@@ -29,10 +29,12 @@ import torch
 import torch.distributed as dist
 
 from gapless.device import collective_backend, rank_device
+from gapless.engine.options import check, option
 from gapless.engine.runner import ModelRunner
 from gapless.model.checkpoint import load_model
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import TensorParallel
+from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE
 
 log = logging.getLogger("gapless.distributed")
 
@@ -42,23 +44,37 @@ IDLE_TIMEOUT = timedelta(days=365)  # workers wait this long for rank 0's next s
 HEARTBEAT_S = 0.5
 
 
+TENSOR_PARALLELISM = "tensor parallelism (see docs/distributed.md)"
+
+
 @dataclass
 class Launch:
     """Where this process's ranks sit; the first four have torchrun's names and meaning."""
 
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # default: 29500, or a free port when on one host
-    collective_timeout_s: float = 60.0
+    nnodes: int = option(1, "hosts, as torchrun", positive=True, section=TENSOR_PARALLELISM)
+    node_rank: int = option(0, "this host's index", minimum=0, section=TENSOR_PARALLELISM)
+    master_addr: str = option(
+        "127.0.0.1", "node 0's address, as torchrun", section=TENSOR_PARALLELISM
+    )
+    master_port: int | None = option(
+        None, "node 0's rendezvous port (29500; one host: any free)", section=TENSOR_PARALLELISM
+    )
+    collective_timeout_s: float = option(
+        60.0,
+        "a rank silent this long in a step fails the server",
+        positive=True,
+        flag="--collective-timeout",
+        metavar="SECONDS",
+        section=TENSOR_PARALLELISM,
+    )
+    # The engine's num_threads and device (EngineConfig), for the ranks this launch spawns.
     threads: int | None = None  # torch threads per rank; default: the host's cores / its ranks
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+        check(self)
+        if self.node_rank >= self.nnodes:
             raise ValueError(f"node rank {self.node_rank} is not one of {self.nnodes} hosts")
-        if self.collective_timeout_s <= 0:
-            raise ValueError("the collective timeout must be positive")
 
 
 @dataclass
@@ -66,7 +82,7 @@ class LoadModel:
     path: str
     dtype: str
     quantize: str | None = None
-    quantize_group_size: int = 32
+    quantize_group_size: int = DEFAULT_INT4_GROUP_SIZE
 
 
 @dataclass

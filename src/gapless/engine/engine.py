@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -9,42 +10,34 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from gapless.engine import distributed
+from gapless.engine.admission import Admission, RequestError
 from gapless.engine.cost_model import LEARNING_CHUNK, StepCostModel, step_features
 from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent, TokenLogprob
 from gapless.engine.metrics import EngineMetrics
+from gapless.engine.options import check, option, split
+from gapless.engine.output import OutputStream
 from gapless.engine.request import Request, RequestState
 from gapless.engine.runner import ModelRunner
-from gapless.engine.sampler import sample, top_logprobs
-from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
+from gapless.engine.sampler import SamplingState, TokenCounts, sample, top_logprobs
+from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from gapless.engine.stopping import StopStringFilter
 from gapless.engine.structured import GrammarCompiler, GrammarError
-from gapless.kernels import rank_device
+from gapless.kernels import DTYPES, rank_device
 from gapless.kv.block_pool import BlockPool
 from gapless.model.checkpoint import load_model, read_model_config
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import RankFailed, check_shardable
-from gapless.model.quantize import quantizer
-from gapless.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZE_CHOICES
+from gapless.model.tokenizer import Tokenizer
 
 log = logging.getLogger("gapless.engine")
-
-
-class RequestError(ValueError):
-    """A request that can never run; `param` names the offending field."""
-
-    def __init__(
-        self, message: str, param: str | None = None, code: str | None = "invalid_request"
-    ) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
 
 
 class QueueFull(RuntimeError):
@@ -57,45 +50,73 @@ class EngineFailed(RuntimeError):
 
 @dataclass
 class EngineConfig:
-    dtype: str = "auto"
-    device: str = "auto"  # cuda when available, else cpu
-    quantize: str | None = None  # int8 or int4: weight-only, round-to-nearest at load
-    quantize_group_size: int = 32  # int4: columns per scale and offset (32, 64 or 128)
-    block_size: int = 16
-    kv_cache_tokens: int | None = None  # KV capacity in tokens; overrides kv_memory_gib
-    kv_memory_gib: float = 2.0
-    max_num_seqs: int = 64
-    prefill_chunk: int = 512
-    idle_prefill_chunk: int = 4096
-    chunked_prefill: bool = True
-    prefill_policy: str = "shortest"
-    enable_prefix_cache: bool = True
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    target_itl_ms: float | None = None
-    max_queue: int | None = None  # waiting requests beyond this are refused
-    num_threads: int | None = None  # per rank under tensor parallelism
-    tensor_parallel_size: int = 1
+    """The engine's options (see options.py); `EngineConfig.of(**options)` takes them, the
+    scheduler's included, by name."""
+
+    dtype: str = option(
+        "auto",
+        "auto: bfloat16 on CUDA and bf16-capable CPUs, else float32 (and for quantized "
+        "weights on CPU)",
+        choices=("auto", *DTYPES),
+    )
+    device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
+    quantize: str | None = option(
+        None,
+        "quantize the linears' float weights at load: int8 (a scale per row) or int4 (a scale "
+        "and offset per group); embeddings and norms stay in --dtype. A GGUF file's Q4_0/Q4_1 "
+        "weights run as int4 without this flag",
+        choices=QUANTIZE_CHOICES,
+    )
+    quantize_group_size: int = option(
+        DEFAULT_INT4_GROUP_SIZE, "int4: columns per scale and offset", choices=INT4_GROUP_SIZES
+    )
+    block_size: int = option(16, "tokens per KV cache block", positive=True, cli=False)
+    kv_cache_tokens: int | None = option(
+        None, "KV cache size in tokens", positive=True, metavar="N", exclusive="kv"
+    )
+    kv_memory_gib: float = option(
+        2.0,
+        "KV cache size in GiB",
+        positive=True,
+        flag="--kv-memory",
+        metavar="GIB",
+        exclusive="kv",
+    )
+    max_model_len: int | None = option(
+        None, "context length (default: the model's maximum)", positive=True
+    )
+    target_itl_ms: float | None = option(
+        None,
+        "size prefill chunks so decode steps stay under this inter-token latency",
+        positive=True,
+        metavar="MS",
+    )
+    max_queue: int | None = option(
+        None, "waiting requests beyond this get 503 (default: no limit)", minimum=0
+    )
+    num_threads: int | None = option(
+        None,
+        "CPU threads for torch (per rank; default: its share)",
+        positive=True,
+        flag="--threads",
+    )
+    tensor_parallel_size: int = option(
+        1,
+        "split the model over N ranks (processes), on this host or --nnodes hosts",
+        positive=True,
+        metavar="N",
+        section=distributed.TENSOR_PARALLELISM,
+    )
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        positive = ["block_size", "max_num_seqs", "prefill_chunk", "idle_prefill_chunk"]
-        positive.append("tensor_parallel_size")
-        positive += [
-            name
-            for name in ("kv_cache_tokens", "max_model_len", "target_itl_ms", "num_threads")
-            if getattr(self, name) is not None
-        ]
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        if self.kv_memory_gib <= 0:
-            raise ValueError(f"kv_memory_gib must be positive, got {self.kv_memory_gib!r}")
-        quantizer(self.quantize, self.quantize_group_size)  # raises ValueError if unknown
-        if self.max_queue is not None and self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, got {self.max_queue!r}")
-        if self.prefill_policy not in ("fcfs", "shortest"):
-            raise ValueError(
-                f"prefill_policy must be 'fcfs' or 'shortest', got {self.prefill_policy!r}"
-            )
+        check(self)
+
+    @classmethod
+    def of(cls, **options: Any) -> EngineConfig:
+        """From options by name, the engine's and the scheduler's alike."""
+        mine, scheduler = split(options, cls, SchedulerConfig)
+        return cls(**mine, scheduler=SchedulerConfig(**scheduler))
 
 
 class Engine:
@@ -109,7 +130,7 @@ class Engine:
         self.config = config = config or EngineConfig()
         self.decoder = decoder
         self.tokenizer = tokenizer
-        mcfg = decoder.config
+        mcfg, scheduling = decoder.config, config.scheduler
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         if runner is None:
             bs = config.block_size
@@ -119,7 +140,7 @@ class Engine:
                 per_block = ModelRunner.kv_bytes_per_token(decoder) * bs
                 num_blocks = int(config.kv_memory_gib * 2**30) // per_block
                 # No point holding more than every running sequence at full context.
-                num_blocks = min(num_blocks, config.max_num_seqs * (-(-self.max_model_len // bs)))
+                num_blocks = min(num_blocks, scheduling.max_num_seqs * -(-self.max_model_len // bs))
             runner = ModelRunner(decoder, num_blocks, bs)
         self.pool = BlockPool(runner.num_blocks, runner.block_size)
         if mcfg.max_window is None:
@@ -128,30 +149,20 @@ class Engine:
                 self.max_model_len, self.pool.num_blocks * self.pool.block_size
             )
         self.runner = runner
-        self.whole_prefill = not config.chunked_prefill or not runner.supports_chunked_prefill
-        if config.chunked_prefill and not runner.supports_chunked_prefill:
+        chunked = scheduling.chunked_prefill
+        self.whole_prefill = not chunked or not runner.supports_chunked_prefill
+        if chunked and not runner.supports_chunked_prefill:
             log.warning("this model runner cannot prefill in chunks: prefilling every prompt whole")
         self.cost_model: StepCostModel | None = None
         budget = None
         if config.target_itl_ms is not None:
             self.cost_model = StepCostModel(
                 config.target_itl_ms / 1000,
-                min(config.prefill_chunk, LEARNING_CHUNK),
-                config.idle_prefill_chunk,
+                min(scheduling.prefill_chunk, LEARNING_CHUNK),
+                scheduling.idle_prefill_chunk,
             )
             budget = self.cost_model.prefill_budget
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                prefill_chunk=config.prefill_chunk,
-                idle_prefill_chunk=config.idle_prefill_chunk,
-                prefill_policy=config.prefill_policy,
-                enable_prefix_cache=config.enable_prefix_cache,
-                window=mcfg.max_window,
-            ),
-            self.pool,
-            budget,
-        )
+        self.scheduler = Scheduler(scheduling, self.pool, budget, mcfg.max_window)
         self.eos_ids = set(tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, mcfg.vocab_size, sorted(self.eos_ids))
         self.metrics = EngineMetrics()
@@ -218,8 +229,11 @@ class Engine:
         A request for n choices is n sequences under one id, told apart by their events'
         `index`: the first prefills the prompt, the others fork from it (Scheduler.fork)."""
         params = params or SamplingParams()
-        ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(ids, params)
+        # A CheckedPrompt (the server checks its prompts while parsing, off the event loop) is
+        # not scanned again. The params' checks cost little (a bounded number of stop ids), so
+        # they run here on every path, the server's too.
+        ids = list(self.admission.check_prompt(prompt))
+        self.admission.check_params(params)
         request_id = request_id or uuid.uuid4().hex
         choices = [
             self._choice(request_id, i, ids, params, progress_callback, whole_prefill)
@@ -246,24 +260,30 @@ class Engine:
         progress_callback: Callable[[ProgressEvent], None] | None,
         whole_prefill: bool,
     ) -> Request:
-        request = Request(
-            request_id, ids, params, progress_callback, whole_prefill or self.whole_prefill
-        )
-        request.index = index
+        sampling = SamplingState(params)
         if params.seed is not None:
             # On the CPU whatever the device: one uniform draw per token, and the same draws on
             # every device. Choice i draws from seed + i, wrapped into the seed range.
             seed = (params.seed + index + 2**63) % 2**64 - 2**63
-            request.generator = torch.Generator().manual_seed(seed)
-        request.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-        if params.stop:
-            request.stop_filter = StopStringFilter(params.stop, params.include_stop_str_in_output)
+            sampling.generator = torch.Generator().manual_seed(seed)
+        if sampling.penalised:
+            vocab = self.decoder.config.vocab_size
+            sampling.counts = TokenCounts(ids, [], vocab, self.decoder.device)
         if params.grammar is not None:
             try:
-                request.matcher = self.grammars.matcher(params.grammar)
+                sampling.matcher = self.grammars.matcher(params.grammar)
             except GrammarError as e:
                 raise RequestError(f"the grammar does not compile: {e}", "grammar") from e
-        return request
+        return Request(
+            request_id,
+            ids,
+            params,
+            progress_callback,
+            whole_prefill or self.whole_prefill,
+            index=index,
+            sampling=sampling,
+            output=OutputStream(self.tokenizer, params),
+        )
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> str:
         """Pre-chunking behaviour: the whole prompt prefills in one step, then decodes."""
@@ -277,37 +297,11 @@ class Engine:
             self._cancels.append(request_id)
             return True
 
-    def _encode(self, prompt: str) -> list[int]:
-        if self.tokenizer.surely_exceeds(len(prompt), self.max_model_len):
-            raise RequestError(
-                f"the prompt has {len(prompt)} characters, more than this model's context of "
-                f"{self.max_model_len} tokens can hold",
-                "prompt",
-                "context_length_exceeded",
-            )
-        try:
-            return self.tokenizer.encode(prompt)
-        except ValueError as e:  # text that is not valid Unicode
-            raise RequestError(str(e), "prompt") from e
-
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        """The limits that need the model; SamplingParams checked the rest on construction."""
-        try:
-            params.check_vocab(self.decoder.config.vocab_size)
-        except SamplingParamsError as e:
-            raise RequestError(str(e), e.param, code=None) from e
-        if not ids:
-            raise RequestError("the prompt is empty", "prompt")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens, but this model's context is "
-                f"{self.max_model_len} tokens (prompt plus output)",
-                "prompt",
-                "context_length_exceeded",
-            )
-        vocab = self.decoder.config.vocab_size
-        if not all(0 <= t < vocab for t in ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+    @functools.cached_property
+    def admission(self) -> Admission:
+        """The checks every request passes (admission.py), against the context this engine
+        settled on in __init__."""
+        return Admission(self.tokenizer, self.max_model_len, self.decoder.config.vocab_size)
 
     @property
     def has_work(self) -> bool:
@@ -416,18 +410,19 @@ class Engine:
             return []
         reqs = [r for r, _ in batch]
         logits = torch.stack([x for _, x in batch])
-        states = [r.generator.get_state() if r.generator is not None else None for r in reqs]
+        states = [r.sampling for r in reqs]
+        rewind = [s.generator.get_state() if s.generator is not None else None for s in states]
         try:
-            return [(r, t, i) for r, (t, i) in zip(reqs, sample(reqs, logits), strict=True)]
+            return [(r, t, i) for r, (t, i) in zip(reqs, sample(states, logits), strict=True)]
         except Exception:
             if len(reqs) > 1:
                 log.exception("sampling %d rows failed: sampling them one at a time", len(reqs))
         out = []
-        for row, (req, state) in enumerate(zip(reqs, states, strict=True)):
-            if state is not None:
-                req.generator.set_state(state)
+        for row, (req, generator_state) in enumerate(zip(reqs, rewind, strict=True)):
+            if generator_state is not None:
+                req.sampling.generator.set_state(generator_state)
             try:
-                [(token, info)] = sample([req], logits[row : row + 1])
+                [(token, info)] = sample([req.sampling], logits[row : row + 1])
             except Exception as exc:
                 self._fail(events, req, exc)
                 continue
@@ -473,14 +468,24 @@ class Engine:
     def _append_token(
         self, events: list[Event], req: Request, token: int, info: TokenLogprob | None
     ) -> None:
-        now = time.monotonic()
-        p = req.params
-        if req.matcher is not None:
-            req.matcher.accept(token)
+        req.sampling.accept(token)
         req.output_ids.append(token)
-        if req.token_counts is not None:
-            req.token_counts.add(token)
         req.state = RequestState.DECODING
+        self._observe_token(req)
+        finish = req.finish_reason(token, self.eos_ids, self.max_model_len)
+        shown = None if req.is_stop_token(token, self.eos_ids) else token
+        text, logprobs, stopped = req.output.render(shown, info, last=finish is not None)
+        if stopped:
+            finish = "stop"
+        self._emit(
+            events, req, TokenEvent(req.request_id, [token], text, logprobs or None, req.index)
+        )
+        if finish is not None:
+            self._finish(events, req, finish)
+
+    def _observe_token(self, req: Request) -> None:
+        """A new token's timings and metrics."""
+        now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.time_to_first_token.observe(now - req.arrival_time)
@@ -488,35 +493,6 @@ class Engine:
             self.metrics.inter_token_latency.observe(now - req.last_token_time)
         req.last_token_time = now
         self.metrics.generation_tokens += 1
-
-        finish = None
-        past_min = len(req.output_ids) >= p.min_tokens
-        if past_min and (token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)):
-            finish, text = "stop", ""
-        else:
-            text = req.detokenizer.add([token])
-        if finish is None and req.matcher is not None and req.matcher.complete:
-            finish = "stop"  # the grammar allows nothing more
-        if finish is None and (
-            len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len
-        ):
-            finish = "length"
-        if finish is not None:
-            text += req.detokenizer.flush()  # the last token carries all remaining text
-        logprobs = [info] if info else []
-        if req.stop_filter is not None:
-            # Logprobs then travel with their tokens' text: none for text the stop cut off.
-            text, logprobs = req.stop_filter.feed(text, info)
-            if req.stop_filter.stopped:
-                finish = "stop"
-            elif finish is not None:
-                rest, held = req.stop_filter.flush()
-                text, logprobs = text + rest, logprobs + held
-        self._emit(
-            events, req, TokenEvent(req.request_id, [token], text, logprobs or None, req.index)
-        )
-        if finish is not None:
-            self._finish(events, req, finish)
 
     def _finish(
         self, events: list[Event], req: Request, reason: str, error: str | None = None
@@ -548,7 +524,7 @@ class Engine:
                 if req.params.prompt_logprobs is not None
                 else None,
                 error=error,
-                stop_string=req.stop_filter.matched if req.stop_filter else None,
+                stop_string=req.output.stop_string,
                 preempted=req.preemptions,
                 timings=self._timings(req),
                 index=req.index,

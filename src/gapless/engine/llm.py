@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gapless.engine.engine import Engine, EngineConfig
 from gapless.engine.events import FinishedEvent, TokenEvent, TokenLogprob
@@ -25,17 +25,14 @@ class RequestOutput:
 
 
 class LLM:
-    """`LLM(path, **EngineConfig fields).generate(prompts, params)`.
+    """`LLM(path, **options).generate(prompts, params)`; options as EngineConfig.of takes
+    them (engine/options.py lists where they are declared).
 
     Under tensor parallelism its worker ranks are processes: `close()` ends them, as does
     leaving a `with LLM(...) as llm:` block, garbage collection, or this process's exit."""
 
-    def __init__(self, model: str | Path, **engine_fields) -> None:
-        names = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = set(engine_fields) - names
-        if unknown:
-            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        self.engine = Engine.from_pretrained(model, EngineConfig(**engine_fields))
+    def __init__(self, model: str | Path, **options: Any) -> None:
+        self.engine = Engine.from_pretrained(model, EngineConfig.of(**options))
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:
@@ -58,12 +55,13 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if any(p.n > 1 for p in params):
             raise ValueError("LLM.generate returns one output per prompt: n must be 1")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        prompt_ids = [self.engine.admission.check_prompt(p) for p in prompts]
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompt_ids, params, strict=True)]
+        asked = dict(zip(ids, zip(prompt_ids, params, strict=True), strict=True))
         outputs: dict[str, RequestOutput] = {}
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         texts: dict[str, list[str]] = {i: [] for i in ids}
         logprobs: dict[str, list[TokenLogprob]] = {i: [] for i in ids}
-        requests = {i: self.engine._requests[i][0] for i in ids}
         while len(outputs) < len(ids):
             for event in self.engine.step():
                 rid = event.request_id
@@ -76,13 +74,11 @@ class LLM:
                         raise RuntimeError(f"request {rid} failed: {event.error}")
                     outputs[rid] = RequestOutput(
                         request_id=rid,
-                        prompt_token_ids=requests[rid].prompt_ids,
+                        prompt_token_ids=list(asked[rid][0]),
                         token_ids=tokens[rid],
                         text="".join(texts[rid]),
                         finish_reason=event.finish_reason,
-                        logprobs=logprobs[rid]
-                        if requests[rid].params.logprobs is not None
-                        else None,
+                        logprobs=logprobs[rid] if asked[rid][1].logprobs is not None else None,
                         prompt_logprobs=event.prompt_logprobs,
                         cached_prompt_tokens=event.cached_prompt_tokens,
                     )

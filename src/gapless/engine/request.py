@@ -1,4 +1,9 @@
-"""A request's state as the engine runs it."""
+"""A request's state as the engine runs it, grouped by who writes it:
+- the scheduler (with the block pool) owns its KV state: state, num_computed, the block
+  table and hashes, admission and preemption counts;
+- sampling state (`sampling`: seeded generator, penalty counts, grammar) is made with it;
+- the engine's output path owns `output` (detokenizer, stop strings) and the timings.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from gapless.engine.events import ProgressEvent, TokenLogprob
+from gapless.engine.sampler import SamplingState
 from gapless.engine.sampling_params import SamplingParams
-from gapless.engine.stopping import StopStringFilter
 
 if TYPE_CHECKING:
-    from gapless.engine.sampler import TokenCounts
-    from gapless.engine.structured import GrammarMatcher
+    from gapless.engine.output import OutputStream
 
 
 class RequestState(enum.Enum):
@@ -36,11 +38,13 @@ class Request:
     # submit() and the no-chunking baseline: prefill the whole prompt in one step.
     whole_prefill: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
-    arrival_step: int = 0  # the scheduler's step count when it was queued, for aging
     index: int = 0  # which of the request's n choices
+    sampling: SamplingState | None = None  # None: plain SamplingState(params)
+    output: OutputStream | None = None  # None: no text is rendered (runner-level use)
 
+    # The scheduler's.
     state: RequestState = RequestState.WAITING
-    output_ids: list[int] = field(default_factory=list)
+    arrival_step: int = 0  # the scheduler's step count when it was queued, for aging
     num_computed: int = 0  # leading tokens (prompt, then output) whose K/V is in the cache
     block_table: list[int] = field(default_factory=list)  # -1: released, outside the window
     block_hashes: list[int] = field(default_factory=list)  # of full computed blocks
@@ -48,19 +52,20 @@ class Request:
     cached_prompt_tokens: int = 0
     preemptions: int = 0
     admitted_seq: int = -1  # admission order, for choosing preemption victims
-    generator: torch.Generator | None = None
-    token_counts: TokenCounts | None = None  # made by the sampler for penalised requests
+
+    # The engine's.
+    output_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    detokenizer: object | None = None
-    stop_filter: StopStringFilter | None = None
-    matcher: GrammarMatcher | None = None
     # The other choices, until this one's prompt is computed and they share its KV blocks.
     forks: list[Request] = field(default_factory=list)
-
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling is None:
+            self.sampling = SamplingState(self.params)
 
     @property
     def num_tokens(self) -> int:
@@ -82,3 +87,26 @@ class Request:
         if start >= n:
             return self.output_ids[start - n : end - n]
         return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    def is_stop_token(self, token: int, eos_ids: set[int]) -> bool:
+        """Whether `token`, just appended, ends the request as a stop token (it shows no
+        text): one of its stop_token_ids, or an end-of-sequence id unless ignore_eos, once
+        min_tokens are out."""
+        p = self.params
+        if len(self.output_ids) < p.min_tokens:
+            return False
+        return token in p.stop_token_ids or (token in eos_ids and not p.ignore_eos)
+
+    def finish_reason(self, token: int, eos_ids: set[int], max_model_len: int) -> str | None:
+        """Why the request ends with `token`, just appended, stop strings aside (the output
+        stream finds those): "stop" for a stop token or a grammar that allows nothing more,
+        "length" at max_tokens or the end of the context; None when it goes on. Reads the
+        request and the token only."""
+        if self.is_stop_token(token, eos_ids):
+            return "stop"
+        matcher = self.sampling.matcher
+        if matcher is not None and matcher.complete:
+            return "stop"
+        if len(self.output_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            return "length"
+        return None

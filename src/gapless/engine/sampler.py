@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from gapless.engine.events import TokenLogprob
-from gapless.engine.request import Request
 from gapless.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from gapless.engine.structured import GrammarMatcher
 
 
 class TokenCounts:
-    """A penalised request's tokens as counts over the vocabulary, which the engine updates
-    as it appends tokens: penalties then cost one pass over the vocabulary per step, however
-    long the prompt and the output grow. (sample() itself changes no request state but the
-    seeded generators, so a failed call can be retried.)"""
+    """A penalised request's tokens as counts over the vocabulary, updated as tokens are
+    accepted: penalties then cost one pass over the vocabulary per step, however long the
+    prompt and the output grow."""
 
     def __init__(
         self, prompt_ids: Sequence[int], output_ids: Sequence[int], vocab: int, device: torch.device
@@ -28,6 +31,29 @@ class TokenCounts:
 
     def add(self, token: int) -> None:
         self.output[token] += 1
+
+
+@dataclass
+class SamplingState:
+    """What sampling a request's next token reads, made with the request. sample() changes
+    none of it but the seeded generator, so a failed call can be retried; accept() advances
+    it by the token chosen."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None  # seeded requests: their own draws
+    counts: TokenCounts | None = None  # penalised requests
+    matcher: GrammarMatcher | None = None  # requests under a grammar
+
+    @property
+    def penalised(self) -> bool:
+        p = self.params
+        return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+
+    def accept(self, token: int) -> None:
+        if self.matcher is not None:
+            self.matcher.accept(token)
+        if self.counts is not None:
+            self.counts.add(token)
 
 
 def apply_penalties(
@@ -90,7 +116,9 @@ def sampling_thresholds(probs: torch.Tensor, params: list[SamplingParams]) -> to
     return torch.maximum(threshold, min_p * values[:, 0])
 
 
-def sample(requests: list[Request], logits: torch.Tensor) -> list[tuple[int, TokenLogprob | None]]:
+def sample(
+    states: list[SamplingState], logits: torch.Tensor
+) -> list[tuple[int, TokenLogprob | None]]:
     """One token per row of logits [B, vocab] (float32), with its logprobs when asked for.
 
     Batched: one pass for all greedy rows, one for all sampled rows. A sampled row draws a
@@ -102,61 +130,52 @@ def sample(requests: list[Request], logits: torch.Tensor) -> list[tuple[int, Tok
     untouched. Logprobs are the model's own, before masks and penalties.
     """
     raw = logits
-    logits = apply_grammars(requests, logits)
-    penalised = [i for i, r in enumerate(requests) if _penalised(r)]
+    logits = apply_grammars(states, logits)
+    penalised = [i for i, state in enumerate(states) if state.counts is not None]
     if penalised:
         if logits is raw:
             logits = logits.clone()
         for i in penalised:
-            p, req = requests[i].params, requests[i]
-            if req.token_counts is None:
-                req.token_counts = TokenCounts(
-                    req.prompt_ids, req.output_ids, logits.shape[-1], logits.device
-                )
+            p = states[i].params
             logits[i] = apply_penalties(
                 logits[i],
-                req.token_counts,
+                states[i].counts,
                 p.presence_penalty,
                 p.frequency_penalty,
                 p.repetition_penalty,
             )
     choices = logits.argmax(-1)
-    sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+    sampled = [i for i, state in enumerate(states) if not state.params.greedy]
     if sampled:
-        params = [requests[i].params for i in sampled]
+        params = [states[i].params for i in sampled]
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
         probs = (logits[sampled] / temperature[:, None]).softmax(-1)
         if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
             # The thresholds cost a top-1024 per row: only when some row filters at all.
             probs = probs * (probs >= sampling_thresholds(probs, params)[:, None])
         cdf = probs.cumsum(-1)
-        draws = torch.cat([torch.rand(1, generator=requests[i].generator) for i in sampled])
+        draws = torch.cat([torch.rand(1, generator=states[i].generator) for i in sampled])
         targets = (draws.to(cdf.device) * cdf[:, -1])[:, None]
         picked = torch.searchsorted(cdf, targets, right=True).clamp(max=cdf.shape[1] - 1)
         choices[sampled] = picked.squeeze(1)
     tokens = choices.tolist()
     results: list[tuple[int, TokenLogprob | None]] = []
-    for i, req in enumerate(requests):
+    for i, state in enumerate(states):
         info = None
-        if req.params.logprobs is not None:
-            info = top_logprobs(raw[i].log_softmax(-1), tokens[i], req.params.logprobs)
+        if state.params.logprobs is not None:
+            info = top_logprobs(raw[i].log_softmax(-1), tokens[i], state.params.logprobs)
         results.append((tokens[i], info))
     return results
 
 
-def apply_grammars(requests: list[Request], logits: torch.Tensor) -> torch.Tensor:
+def apply_grammars(states: list[SamplingState], logits: torch.Tensor) -> torch.Tensor:
     """The logits with each constrained row's forbidden tokens at -inf; the same tensor when
     no row is constrained."""
-    constrained = [i for i, r in enumerate(requests) if r.matcher is not None]
+    constrained = [i for i, state in enumerate(states) if state.matcher is not None]
     if not constrained:
         return logits
     logits = logits.clone()
     for i in constrained:
-        allowed = requests[i].matcher.allowed().to(logits.device)
+        allowed = states[i].matcher.allowed().to(logits.device)
         logits[i].masked_fill_(~allowed, float("-inf"))
     return logits
-
-
-def _penalised(request: Request) -> bool:
-    p = request.params
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)

@@ -9,9 +9,9 @@ Each step is one hybrid batch:
    prefills at full speed. Under a latency target it is what the cost model predicts fits
    in the target beside the decodes (cost_model.py), but never under `min_prefill_chunk`:
    when decodes alone use the target, prompts still move at a guaranteed rate.
-3. Chunks go to prefilling and waiting requests in policy order: `fcfs` by arrival, or
-   `shortest` remaining prefill first, aged by steps waited so that no prompt starves. Several prompts may
-   share the budget. Waiting requests are admitted while `max_num_seqs` and free KV allow.
+3. Chunks go to prefilling and waiting requests in the order of the prefill policy (a
+   PrefillPolicy: `fcfs` by arrival, or `shortest` remaining prefill first, aged by steps
+   waited so that no prompt starves). Several prompts may share the budget. Waiting requests are admitted while `max_num_seqs` and free KV allow.
 A request marked whole_prefill (submit(), or chunking off) takes its whole prompt at once.
 
 A request for n choices prefills its prompt once; the other n - 1 then fork from it (fork()).
@@ -23,14 +23,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gapless.engine.options import check, option
 from gapless.engine.request import Request, RequestState
 from gapless.kv.block_pool import BlockPool
 from gapless.kv.prefix_cache import block_hashes, match_prefix
-
-# Under `shortest`, each step a request has waited counts as this many fewer prompt tokens:
-# a 30k-token prompt overtaken by a stream of short ones still reaches the front within
-# ~470 steps. Counted in steps, not seconds, so the order does not depend on machine speed.
-AGING_TOKENS_PER_STEP = 64
 
 
 @dataclass
@@ -39,18 +35,78 @@ class ScheduledChunk:
     num_tokens: int
 
 
+class PrefillPolicy:
+    """Which prompt gets a step's prompt tokens first: requests go in the order of `key`,
+    smallest first. A new policy is one subclass, listed in PREFILL_POLICIES."""
+
+    name: str
+    # Whether a waiting request that does not fit yet holds back those behind it.
+    head_blocks: bool = False
+
+    def key(self, request: Request, steps: int) -> tuple[float, float]:
+        raise NotImplementedError
+
+
+class FirstComeFirstServed(PrefillPolicy):
+    name = "fcfs"
+    head_blocks = True  # keep arrival order: nobody overtakes a request that does not fit
+
+    def key(self, request: Request, steps: int) -> tuple[float, float]:
+        return (0, request.arrival_time)
+
+
+class ShortestFirst(PrefillPolicy):
+    """Remaining prefill first, aged so that no prompt starves."""
+
+    name = "shortest"
+    # Each step a request has waited counts as this many fewer prompt tokens: a 30k-token
+    # prompt overtaken by a stream of short ones still reaches the front within ~470 steps.
+    # Counted in steps, not seconds, so the order does not depend on machine speed.
+    aging_tokens_per_step = 64
+
+    def key(self, request: Request, steps: int) -> tuple[float, float]:
+        waited = steps - request.arrival_step
+        return (
+            request.num_uncomputed - self.aging_tokens_per_step * waited,
+            request.arrival_time,
+        )
+
+
+PREFILL_POLICIES: dict[str, PrefillPolicy] = {
+    p.name: p for p in (FirstComeFirstServed(), ShortestFirst())
+}
+
+
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    prefill_chunk: int = 512
-    idle_prefill_chunk: int = 4096
-    # Under a latency target, prompt tokens every step takes whatever the decodes cost: an
-    # N-token prompt at the front is done within N / min_prefill_chunk steps.
-    min_prefill_chunk: int = 64
-    prefill_policy: str = "shortest"
-    enable_prefix_cache: bool = True
-    # The widest attention window over all layers (None: full attention).
-    window: int | None = None
+    max_num_seqs: int = option(64, "requests in the batch at once", positive=True)
+    prefill_chunk: int = option(
+        512, "prompt tokens per step while other requests decode", positive=True
+    )
+    idle_prefill_chunk: int = option(
+        4096, "prompt tokens per step while nobody decodes", positive=True
+    )
+    chunked_prefill: bool = option(
+        True,
+        "prefill each prompt whole in one step (the stalling baseline)",
+        flag="--no-chunked-prefill",
+    )
+    enable_prefix_cache: bool = option(
+        True, "do not reuse KV blocks of shared prompt prefixes", flag="--no-prefix-cache"
+    )
+    prefill_policy: str = option(
+        "shortest", "which prompt prefills first", choices=tuple(PREFILL_POLICIES)
+    )
+    # An N-token prompt at the front is then done within N / min_prefill_chunk steps.
+    min_prefill_chunk: int = option(
+        64,
+        "under a latency target, prompt tokens every step takes whatever the decodes cost",
+        positive=True,
+        cli=False,
+    )
+
+    def __post_init__(self) -> None:
+        check(self)
 
 
 class Scheduler:
@@ -59,9 +115,14 @@ class Scheduler:
         config: SchedulerConfig,
         pool: BlockPool,
         prefill_budget: Callable[[list[int], int], int] | None = None,
+        window: int | None = None,
     ) -> None:
         self.config = config
+        self.policy = PREFILL_POLICIES[config.prefill_policy]
         self.pool = pool
+        # The widest attention window over all layers (None: full attention): blocks every
+        # layer's window has passed are released.
+        self.window = window
         # A latency target replaces the static chunk budget when decodes run. It is given the
         # decodes' context lengths and where the first prompt chunk starts.
         self.prefill_budget = prefill_budget
@@ -89,7 +150,7 @@ class Scheduler:
         chunks = self._schedule_decodes()
         self.steps += 1
         candidates = [r for r in self.running if r.state is RequestState.PREFILLING]
-        candidates = sorted(candidates + self.waiting, key=self._priority)
+        candidates = sorted(candidates + self.waiting, key=lambda r: self.policy.key(r, self.steps))
         if not chunks:
             budget = self.config.idle_prefill_chunk
         elif self.prefill_budget is not None and candidates:
@@ -104,8 +165,8 @@ class Scheduler:
             if budget <= 0:
                 break
             if request.state is RequestState.WAITING and not self._admit(request):
-                if self.config.prefill_policy == "fcfs":
-                    break  # keep arrival order: nobody overtakes a request that does not fit
+                if self.policy.head_blocks:
+                    break
                 continue
             remaining = request.num_uncomputed
             n = remaining if request.whole_prefill else min(remaining, budget)
@@ -116,12 +177,6 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, n))
             budget -= n
         return chunks
-
-    def _priority(self, request: Request) -> tuple[int, float]:
-        if self.config.prefill_policy == "fcfs":
-            return (0, request.arrival_time)
-        waited = self.steps - request.arrival_step
-        return (request.num_uncomputed - AGING_TOKENS_PER_STEP * waited, request.arrival_time)
 
     def _schedule_decodes(self) -> list[ScheduledChunk]:
         chunks = []
@@ -237,7 +292,7 @@ class Scheduler:
 
     def _drop_outside_window(self, request: Request) -> None:
         """Releases blocks that every layer's window has moved past (the rotating cache)."""
-        window = self.config.window
+        window = self.window
         if window is None:
             return
         first_needed = max(0, request.num_computed - window + 1) // self.pool.block_size

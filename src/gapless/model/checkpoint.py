@@ -11,6 +11,7 @@ from gapless.model.decoder import Decoder
 from gapless.model.gguf import is_gguf, load_gguf, read_gguf_config
 from gapless.model.loader import load_decoder
 from gapless.model.parallel import TensorParallel
+from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE
 from gapless.model.tokenizer import Tokenizer
 
 
@@ -20,7 +21,7 @@ def load_model(
     device: str | torch.device = "cpu",
     parallel: TensorParallel | None = None,
     quantize: str | None = None,
-    group_size: int = 32,
+    group_size: int = DEFAULT_INT4_GROUP_SIZE,
 ) -> tuple[Decoder, Tokenizer]:
     """The decoder (this rank's shard of it, with `parallel`) and the tokenizer; quantize as
     load_decoder's."""

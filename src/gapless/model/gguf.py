@@ -32,7 +32,7 @@ from gapless.model.loader import (
     expected_shapes,
 )
 from gapless.model.parallel import TensorParallel
-from gapless.model.quantize import quantizer
+from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE, quantizer
 from gapless.model.tokenizer import Tokenizer
 
 # general.architecture -> the Hugging Face architecture with the same decoder.
@@ -208,7 +208,7 @@ def load_gguf(
     device: str | torch.device = "cpu",
     parallel: TensorParallel | None = None,
     quantize: str | None = None,
-    group_size: int = 32,
+    group_size: int = DEFAULT_INT4_GROUP_SIZE,
 ) -> tuple[Decoder, Tokenizer]:
     """The decoder and tokenizer of a GGUF file. quantize (see load_decoder) applies to the
     weights that are float after load."""

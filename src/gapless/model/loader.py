@@ -18,7 +18,7 @@ from gapless.kernels.quant import GroupQuant
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder, Layer
 from gapless.model.parallel import TensorParallel, shard_config, shard_weights
-from gapless.model.quantize import quantizer
+from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE, quantizer
 
 
 class WeightError(ValueError):
@@ -137,7 +137,7 @@ def load_decoder(
     device: str | torch.device = "cpu",
     parallel: TensorParallel | None = None,
     quantize: str | None = None,
-    group_size: int = 32,
+    group_size: int = DEFAULT_INT4_GROUP_SIZE,
 ) -> Decoder:
     """quantize: None, "int8" or "int4" (with group_size): the linears' weights (lm_head
     too), quantized round-to-nearest at load; embeddings and norms stay in dtype."""

@@ -11,6 +11,7 @@ from gapless.kernels.quant import GroupQuant
 
 QUANTIZE_CHOICES = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_INT4_GROUP_SIZE = 32
 
 
 def quantize_int8(w: torch.Tensor) -> GroupQuant:

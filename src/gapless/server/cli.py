@@ -12,21 +12,16 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from gapless.engine.engine import EngineConfig
+from gapless.engine.distributed import Launch
+from gapless.engine.engine import EngineConfig
+from gapless.engine.options import add_flags, options
+from gapless.engine.scheduler import SchedulerConfig
+from gapless.server.tool_calls import PARSERS
 
 log = logging.getLogger("gapless.server")
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-# As gapless.kernels.DTYPES and gapless.model.quantize's choices; not imported so that
-# `gapless --help` needs no torch.
-DTYPES = ("float32", "bfloat16", "float16")
-# As gapless.server.tool_calls.PARSERS, for the same reason.
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
-QUANTIZE_CHOICES = ("int8", "int4")
-INT4_GROUP_SIZES = (32, 64, 128)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -45,73 +40,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
     p.add_argument("--port", type=int, default=8000, help="%(default)s; 0 picks a free port")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", *DTYPES],
-        help="auto: bfloat16 on CUDA and bf16-capable CPUs, else float32 (and for quantized weights on CPU)",
-    )
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    p.add_argument(
-        "--quantize",
-        choices=QUANTIZE_CHOICES,
-        default=None,
-        help="quantize the linears' float weights at load, round-to-nearest: int8 (a scale "
-        "per row) or int4 (a scale and offset per group); embeddings and norms stay in "
-        "--dtype. A GGUF file's Q4_0/Q4_1 weights run as int4 without this flag",
-    )
-    p.add_argument(
-        "--quantize-group-size",
-        type=int,
-        choices=INT4_GROUP_SIZES,
-        default=32,
-        help="int4: columns per scale and offset (%(default)s)",
-    )
-    p.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=512,
-        help="prompt tokens per step while other requests decode (%(default)s)",
-    )
-    p.add_argument(
-        "--idle-prefill-chunk",
-        type=int,
-        default=4096,
-        help="prompt tokens per step while nobody decodes (%(default)s)",
-    )
-    p.add_argument(
-        "--no-chunked-prefill",
-        dest="chunked_prefill",
-        action="store_false",
-        help="prefill each prompt whole in one step (the stalling baseline)",
-    )
-    p.add_argument(
-        "--no-prefix-cache",
-        dest="enable_prefix_cache",
-        action="store_false",
-        help="do not reuse KV blocks of shared prompt prefixes",
-    )
-    p.add_argument(
-        "--prefill-policy",
-        choices=["shortest", "fcfs"],
-        default="shortest",
-        help="which prompt prefills first (%(default)s)",
-    )
-    p.add_argument(
-        "--max-num-seqs", type=int, default=64, help="requests in the batch at once (%(default)s)"
-    )
-    kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-tokens", type=int, metavar="N", help="KV cache size in tokens")
-    kv.add_argument(
-        "--kv-memory",
-        type=float,
-        default=2.0,
-        metavar="GIB",
-        help="KV cache size in GiB (%(default)s)",
-    )
-    p.add_argument(
-        "--max-model-len", type=int, help="context length (default: the model's maximum)"
-    )
+    add_flags(p, EngineConfig, SchedulerConfig, Launch)
     p.add_argument(
         "--served-model-name",
         help="the model name clients use (default: the directory's name or the file's stem)",
@@ -122,40 +51,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "(default: $GAPLESS_API_KEY if set)",
     )
     p.add_argument(
-        "--max-queue", type=int, help="waiting requests beyond this get 503 (default: no limit)"
-    )
-    p.add_argument(
-        "--target-itl-ms",
-        type=float,
-        help="size prefill chunks so decode steps stay under this inter-token latency",
-    )
-    p.add_argument(
-        "--threads", type=int, help="CPU threads for torch (per rank; default: its share)"
-    )
-    tp = p.add_argument_group("tensor parallelism (see docs/distributed.md)")
-    tp.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split the model over N ranks (processes), on this host or --nnodes hosts",
-    )
-    tp.add_argument("--nnodes", type=int, default=1, help="hosts, as torchrun (%(default)s)")
-    tp.add_argument("--node-rank", type=int, default=0, help="this host's index (%(default)s)")
-    tp.add_argument(
-        "--master-addr", default="127.0.0.1", help="node 0's address, as torchrun (%(default)s)"
-    )
-    tp.add_argument(
-        "--master-port", type=int, help="node 0's rendezvous port (29500; one host: any free)"
-    )
-    tp.add_argument(
-        "--collective-timeout",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="a rank silent this long in a step fails the server (%(default)s)",
-    )
-    p.add_argument(
         "--max-body-mb",
         type=float,
         default=16.0,
@@ -163,7 +58,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=TOOL_CALL_PARSERS,
+        choices=PARSERS,
         help="how the model writes tool calls (default: recognised from its chat template)",
     )
     p.add_argument(
@@ -231,15 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         config = engine_config(args)
-        launch = distributed.Launch(
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            master_addr=args.master_addr,
-            master_port=args.master_port,
-            collective_timeout_s=args.collective_timeout,
-            threads=args.threads,
-            device=args.device,
-        )
+        launch = Launch(**_chosen(args, Launch), threads=config.num_threads, device=config.device)
         if config.tensor_parallel_size > 1:
             # Before any rank starts: the common misfit spawns nothing.
             check_shardable(read_model_config(model_dir), config.tensor_parallel_size)
@@ -280,27 +167,12 @@ def _serve(args: argparse.Namespace) -> int:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's configuration from `gapless serve` flags (also used by
     `gapless bench --engine-only`). Raises ValueError for a bad combination."""
-    from gapless.engine.engine import EngineConfig
+    return EngineConfig.of(**_chosen(args, EngineConfig), **_chosen(args, SchedulerConfig))
 
-    return EngineConfig(
-        dtype=args.dtype,
-        device=args.device,
-        kv_cache_tokens=args.kv_cache_tokens,
-        kv_memory_gib=args.kv_memory,
-        max_num_seqs=args.max_num_seqs,
-        prefill_chunk=args.prefill_chunk,
-        idle_prefill_chunk=args.idle_prefill_chunk,
-        chunked_prefill=args.chunked_prefill,
-        enable_prefix_cache=args.enable_prefix_cache,
-        prefill_policy=args.prefill_policy,
-        max_model_len=args.max_model_len,
-        target_itl_ms=args.target_itl_ms,
-        max_queue=args.max_queue,
-        num_threads=args.threads,
-        tensor_parallel_size=args.tensor_parallel_size,
-        quantize=args.quantize,
-        quantize_group_size=args.quantize_group_size,
-    )
+
+def _chosen(args: argparse.Namespace, config: type) -> dict:
+    """The flags' values of a config's options."""
+    return {f.name: getattr(args, f.name) for f, opt in options(config) if opt.cli}
 
 
 def _default_model(served_name: str | None) -> tuple[Path, str]:
