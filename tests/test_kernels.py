@@ -17,6 +17,7 @@ import gapless.kernels as kernels
 from gapless import LLM, SamplingParams
 from gapless.engine.runner import ModelRunner
 from gapless.kernels.linear import Int4Linear, NarrowLinear, PackedLinear, PlainLinear
+from gapless.kernels.plans import InPlacePlan, PagedPlan
 from gapless.kernels.probe import Machine, packed_linear_works
 from gapless.model.loader import load_decoder
 from gapless.model.quantize import quantize_int4
@@ -180,7 +181,8 @@ def test_history_in_scattered_blocks_is_attended_in_place(checkpoint, max_runs, 
     seq = scattered(Seq(ids, 0), [20, 21, 9, 10, 11, 25, 26])
     run_chunks(runner, seq, [84])
     batch = runner._build([runner._input(seq.chunk(12), True)])
-    runs = batch.groups[0].history_runs
+    plan = batch.attention[0]
+    runs = plan.runs if isinstance(plan, InPlacePlan) else None
     assert runs == ([(320, 32), (144, 48), (400, 4)] if max_runs == 8 else None)
     pieces = run_chunks(runner, seq, [12, 1, 1, 1, 1])  # a chunk, then lone decodes
     assert (whole[84:] - pieces).abs().max().item() < 1e-4
@@ -266,7 +268,7 @@ def test_bf16_chunks_on_our_kernel_match_the_public_ops(checkpoint, arch, monkey
     path, ids = checkpoint(arch, head_dim=32), prompt(120)
     runner = ModelRunner(load_decoder(path, "bfloat16"), 32, 16)
     batch = runner._build([runner._input(Seq(ids, 0).chunk(40), False)])
-    assert batch.groups[0].num_keys is not None
+    assert isinstance(batch.attention[0], PagedPlan)
     got = run_chunks(runner, Seq(ids, 0), [40, 33, 47])
     monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
     want = run_chunks(ModelRunner(load_decoder(path, "bfloat16"), 32, 16), Seq(ids, 0), [120])

@@ -12,13 +12,12 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 # Only for engine/engine.py's import of it, until that names gapless.device; nothing else here.
 from gapless.device import rank_device  # noqa: F401
-from gapless.kernels import attention, paged
+from gapless.kernels import paged
 from gapless.kernels.linear import (
     Int4Linear,
     Int8Linear,
@@ -27,6 +26,7 @@ from gapless.kernels.linear import (
     PackedLinear,
     PlainLinear,
 )
+from gapless.kernels.plans import AttentionLayout, AttentionPlan, KVCache, Planner, Span
 from gapless.kernels.probe import (
     cpu_flash_works,
     int4_mm_works,
@@ -38,12 +38,12 @@ from gapless.kernels.probe import (
 )
 from gapless.kernels.quant import GroupQuant
 
-if TYPE_CHECKING:
-    from gapless.model.decoder import AttentionGroup
-
 __all__ = [
+    "AttentionLayout",
+    "AttentionPlan",
     "Kernels",
     "Linear",
+    "Span",
     "resolve_dtype",
     "select",
 ]
@@ -61,7 +61,7 @@ class Kernels:
     packed_linear: bool  # oneDNN-packed weights with fused epilogues (PackedLinear)
     in_place_attention: bool  # attention.in_place; else attention.gathered only
     # Prompt chunks up to this many tokens run attention with GQA heads folded into query
-    # rows (see AttentionGroup); above it the plain kernel was as fast or faster here.
+    # rows (see plans.GatheredPlan); above it the plain kernel was as fast or faster here.
     fold_max_queries: int = 128
     # A history in more runs of consecutive cache slots than this is gathered instead:
     # each run costs one more attention call.
@@ -114,38 +114,30 @@ class Kernels:
         """Whether prompt chunks of a model with this head size do."""
         return self.paged_prefill and head_dim in paged.PREFILL_HEAD_DIMS
 
+    def plan_attention(self, layout: AttentionLayout, spans: list[Span]) -> list[AttentionPlan]:
+        """How the step's batch of these spans attends: the path of each part, as its plan
+        (see plans.py)."""
+        return Planner(self, layout).plan(spans)
+
     def attention(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        groups: list[AttentionGroup],
+        kv_cache: KVCache,
+        plans: list[AttentionPlan],
         window: int | None,
     ) -> torch.Tensor:
         """Attention of the batch's queries q [T, H, D], whose own keys and values k, v
         [T, Hkv, D] (in the cache's dtype) are already in kv_cache, for a layer with this
-        window. Returns [T, H * D] in q's dtype."""
-        k_cache, v_cache = kv_cache
+        window, each part as its plan says. Returns [T, H * D] in q's dtype."""
         run_dtype = q.dtype
-        q = q.to(k_cache.dtype)
-        out = None
-        for g in groups:
-            if g.num_keys is not None:
-                o = paged.paged_attention(
-                    q[g.rows], k_cache, v_cache, g.key_blocks, g.num_keys, window
-                )
-            elif g.history_runs is not None:
-                o = attention.in_place(
-                    q[g.rows], k[g.rows], v[g.rows], k_cache, v_cache, g.history_runs
-                )
-            else:
-                o = attention.gathered(q[g.rows], k_cache, v_cache, g, g.masks[window])
-            if len(groups) == 1:
-                return o.to(run_dtype)
-            if out is None:
-                out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-            out[g.rows] = o
+        q = q.to(kv_cache[0].dtype)
+        if len(plans) == 1:
+            return plans[0].attend(q, k, v, kv_cache, window).to(run_dtype)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for plan in plans:
+            out[plan.rows] = plan.attend(q, k, v, kv_cache, window)
         return out.to(run_dtype)
 
     def describe(self) -> str:

@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache, for one AttentionGroup of a ragged batch.
+"""Attention over the paged KV cache, for one part of a ragged batch (its plan: plans.py).
 
 Two implementations:
 - gathered (public ops): the group's KV blocks are copied out of the cache with one
@@ -11,32 +11,31 @@ Two implementations:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from gapless.model.decoder import AttentionGroup
 
 
 def gathered(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    g: AttentionGroup,
+    key_blocks: torch.Tensor,
+    n: int,
     mask: torch.Tensor | None,
+    fold_heads: bool,
 ) -> torch.Tensor:
-    """q: [B * n, H, D] of the group's rows. Returns [B * n, H * D]."""
-    b, n = g.num_seqs, g.num_queries
+    """B sequences' n new queries each, q [B * n, H, D], attend the KV blocks key_blocks
+    [B, nb] under mask (None: causal), heads folded or not (see plans.GatheredPlan).
+    Returns [B * n, H * D]."""
+    b = key_blocks.shape[0]
     _, _, kv_heads, dim = k_cache.shape
     group = q.shape[1] // kv_heads
     # [B, Hkv, L, D]; index_select copies whole blocks ~3x faster than advanced indexing.
-    flat_blocks = g.key_blocks.flatten()
+    flat_blocks = key_blocks.flatten()
     k = k_cache.index_select(0, flat_blocks).view(b, -1, kv_heads, dim).transpose(1, 2)
     v = v_cache.index_select(0, flat_blocks).view(b, -1, kv_heads, dim).transpose(1, 2)
     q = q.view(b, n, kv_heads, group, dim)
-    if g.fold_heads:  # [B, Hkv, n * group, D], rows query-major
+    if fold_heads:  # [B, Hkv, n * group, D], rows query-major
         q = q.transpose(1, 2).reshape(b, kv_heads, n * group, dim)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return o.view(b, kv_heads, n, group, dim).transpose(1, 2).reshape(b * n, -1)

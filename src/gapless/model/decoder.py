@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gapless.kernels import Kernels, Linear
+from gapless.kernels import AttentionPlan, Kernels, Linear
 from gapless.model.config import ModelConfig
 from gapless.model.parallel import TensorParallel
 
@@ -32,43 +32,11 @@ class Layer:
 
 
 @dataclass
-class AttentionGroup:
-    """Sequences whose attention runs as one kernel call (see gapless.kernels.attention).
-
-    rows: the contiguous rows of the flat batch holding these sequences' new tokens (B * n).
-    key_blocks: KV-cache blocks each sequence attends to, padded, [B, nb]: whole blocks are
-    gathered (one index per block, not per token), and masks drop what is not attended.
-    masks: per distinct layer window, an additive mask [B, 1, n, nb * block_size], or None
-    when a plain causal mask over fresh keys is exact.
-    fold_heads: run the query heads that share a KV head as extra query rows of that head
-    (GQA folding). The SDPA kernel then sees 7x the rows per call: 2x faster for decodes and
-    short chunks against long histories. Masks of folded groups have n * group rows, each
-    query's row repeated group times.
-    history_runs: for one sequence with full attention, instead of the three above: the
-    runs of consecutive slots in the flattened cache, as (first slot, length), holding the
-    keys before its new tokens (and, for a decode, its own key). Every query sees them all,
-    so they are attended in place, unmasked; a chunk's own tokens attend causally.
-    num_keys: for our paged kernel instead of masks (decodes, and prompt chunks where it takes
-    them): how many keys of its row of key_blocks each sequence has, its new ones included,
-    [B]; its queries are the last num_queries of them.
-    """
-
-    rows: slice
-    num_seqs: int
-    num_queries: int  # per sequence
-    key_blocks: torch.Tensor | None
-    masks: dict[int | None, torch.Tensor | None]
-    fold_heads: bool = False
-    history_runs: list[tuple[int, int]] | None = None
-    num_keys: torch.Tensor | None = None
-
-
-@dataclass
 class BatchInput:
     token_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     write_slots: torch.Tensor  # [T] KV-cache slot of each new token
-    groups: list[AttentionGroup]
+    attention: list[AttentionPlan]  # how each part of the batch attends (kernels/plans.py)
     logit_rows: torch.Tensor  # rows whose logits are returned
 
 
@@ -163,7 +131,7 @@ class Decoder:
             q, k, v = qk[:, :heads], qk[:, heads:].to(k_cache.dtype), v.to(v_cache.dtype)
             k_cache.flatten(0, 1).index_copy_(0, batch.write_slots, k)
             v_cache.flatten(0, 1).index_copy_(0, batch.write_slots, v)
-            attn = self.kernels.attention(q, k, v, (k_cache, v_cache), batch.groups, window)
+            attn = self.kernels.attention(q, k, v, (k_cache, v_cache), batch.attention, window)
             x = x + self.all_reduce(layer.o(attn))
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             x = x + self.all_reduce(layer.down(layer.up.times(h, layer.gate.silu(h))))

@@ -1,0 +1,256 @@
+"""Attention plans: how each part of a step's batch attends, decided once per step.
+
+The runner hands the kernels the batch's spans (per sequence: its new tokens' rows, how many
+tokens it has computed, its KV blocks) and the layout every step shares (block size, layer
+windows, heads); `Planner` picks a path for each part and returns its plan, data that the
+decoder passes to `Kernels.attention` every layer. Each plan type is one path and runs itself:
+
+- PagedPlan: our C++ kernel (paged.py) walks each sequence's block table in place;
+- GatheredPlan: the KV blocks are gathered and attended by SDPA under masks (attention.py);
+- InPlacePlan: one sequence's history attended where it lies, run by run, by the CPU flash op
+  (attention.py).
+
+A new attention path is one more plan type here, with `attend`, and its choice in `Planner`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import Tensor
+
+from gapless.kernels import attention, paged
+
+if TYPE_CHECKING:
+    from gapless.kernels import Kernels
+
+KVCache = tuple[Tensor, Tensor]  # one layer's keys and values, [blocks, block_size, Hkv, D]
+
+
+class AttentionPlan(Protocol):
+    rows: slice  # the contiguous rows of the flat batch whose queries this plan attends
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, window: int | None) -> Tensor:
+        """Attention of the batch's queries q [T, H, D] in this plan's rows, for a layer with
+        this window, in the cache's dtype; their own keys and values k, v [T, Hkv, D] are
+        already in the cache (k_cache, v_cache). Returns [len(rows), H * D]."""
+        ...
+
+
+@dataclass
+class PagedPlan:
+    """Sequences with the same number of new queries, attended by our paged kernel (decodes,
+    and prompt chunks where it takes them).
+
+    key_blocks: the KV-cache blocks each sequence attends to, padded, [B, nb];
+    num_keys: how many keys of its row of key_blocks each sequence has, its new ones
+    included, [B]; its queries are the last len(rows) / B of them.
+    """
+
+    rows: slice
+    key_blocks: torch.Tensor
+    num_keys: torch.Tensor
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, window: int | None) -> Tensor:
+        return paged.paged_attention(q[self.rows], *cache, self.key_blocks, self.num_keys, window)
+
+
+@dataclass
+class GatheredPlan:
+    """Sequences with the same number of new queries whose attention runs as one SDPA call
+    over their gathered KV blocks (see attention.gathered).
+
+    key_blocks: KV-cache blocks each sequence attends to, padded, [B, nb]: whole blocks are
+    gathered (one index per block, not per token), and masks drop what is not attended.
+    masks: per distinct layer window, an additive mask [B, 1, n, nb * block_size], or None
+    when a plain causal mask over fresh keys is exact.
+    fold_heads: run the query heads that share a KV head as extra query rows of that head
+    (GQA folding). The SDPA kernel then sees 7x the rows per call: 2x faster for decodes and
+    short chunks against long histories. Masks of folded plans have n * group rows, each
+    query's row repeated group times.
+    """
+
+    rows: slice
+    num_queries: int  # per sequence, n
+    key_blocks: torch.Tensor
+    masks: dict[int | None, torch.Tensor | None]
+    fold_heads: bool = False
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, window: int | None) -> Tensor:
+        return attention.gathered(
+            q[self.rows],
+            *cache,
+            self.key_blocks,
+            self.num_queries,
+            self.masks[window],
+            self.fold_heads,
+        )
+
+
+@dataclass
+class InPlacePlan:
+    """One sequence with full attention, its history attended in place (see
+    attention.in_place).
+
+    runs: the runs of consecutive slots in the flattened cache, as (first slot, length),
+    holding the keys before its new tokens (and, for a decode, its own key). Every query sees
+    them all, so they are attended unmasked; a chunk's own tokens attend causally.
+    """
+
+    rows: slice
+    runs: list[tuple[int, int]]
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, window: int | None) -> Tensor:
+        rows = self.rows
+        return attention.in_place(q[rows], k[rows], v[rows], *cache, self.runs)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One sequence's new tokens in a step's flat batch."""
+
+    row: int  # the row of its first new token
+    start: int  # how many tokens it has computed: the position of its first new token
+    num_tokens: int
+    block_table: list[int]  # its KV blocks, up to the one its last new token is in
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """What every step's plans share: the KV cache's blocks and the model's attention."""
+
+    block_size: int
+    layer_windows: tuple[int | None, ...]  # per layer; None: full attention
+    head_dim: int
+    head_group: int  # query heads per KV head
+    device: torch.device
+
+    @functools.cached_property
+    def windows(self) -> list[int | None]:
+        """The distinct layer windows, full attention first: one mask each."""
+        return sorted(set(self.layer_windows), key=lambda w: -1 if w is None else w)
+
+    @functools.cached_property
+    def max_window(self) -> int | None:
+        """The widest window any layer looks back; None if some layer attends to everything."""
+        return None if None in self.layer_windows else max(self.layer_windows)  # type: ignore[type-var]
+
+    @functools.cached_property
+    def full_attention(self) -> bool:
+        return all(w is None for w in self.layer_windows)
+
+
+@dataclass
+class Planner:
+    """Picks the path of each part of a step's batch (see the module's docstring)."""
+
+    kernels: Kernels
+    layout: AttentionLayout
+
+    def plan(self, spans: list[Span]) -> list[AttentionPlan]:
+        """The batch's plans, one per part, covering every span's rows: every prompt chunk its
+        own, the decodes (spans of one token, which must be adjacent rows) one together."""
+        plans: list[AttentionPlan] = [self._chunk(s) for s in spans if s.num_tokens > 1]
+        decodes = [s for s in spans if s.num_tokens == 1]
+        if not decodes:
+            return plans
+        rows = slice(decodes[0].row, decodes[-1].row + 1)
+        if rows.stop - rows.start != len(decodes):
+            raise ValueError("a batch's decodes must be adjacent rows")
+        # A lone decode sees all its keys, its own included, unmasked.
+        lone = decodes[0] if len(decodes) == 1 and not self._decodes_paged() else None
+        if lone and (runs := self._history_runs(lone.start + 1, self._blocks(lone)[1])) is not None:
+            plans.insert(0, InPlacePlan(rows, runs))
+        else:
+            plans.insert(0, self._decodes(rows, decodes))
+        return plans
+
+    def _decodes_paged(self) -> bool:
+        return self.kernels.decodes_paged(self.layout.head_dim)
+
+    def _key_start(self, first_query: int) -> int:
+        """First key position (block-aligned) that any layer's window lets the query see."""
+        window = self.layout.max_window
+        if window is None:
+            return 0
+        first = max(0, first_query - window + 1)
+        return first - first % self.layout.block_size
+
+    def _blocks(self, span: Span) -> tuple[int, list[int]]:
+        """The first key position the span's queries may see, and the blocks from there."""
+        key_start = self._key_start(span.start)
+        return key_start, span.block_table[key_start // self.layout.block_size :]
+
+    def _masks(
+        self, query_pos: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor
+    ) -> dict[int | None, torch.Tensor]:
+        """Per window: 0 where a query may attend a key (causal, in window, not padding),
+        -inf elsewhere."""
+        delta = query_pos[..., :, None] - key_pos[..., None, :]
+        causal = (delta >= 0) & valid
+        allowed = {w: causal if w is None else causal & (delta < w) for w in self.layout.windows}
+        # Additive float masks, built once per step: SDPA would convert a bool mask per layer.
+        zeros = torch.zeros(causal.shape, dtype=self.kernels.kv_dtype, device=causal.device)
+        return {w: zeros.masked_fill(~m, float("-inf")) for w, m in allowed.items()}
+
+    def _history_runs(self, end: int, blocks: list[int]) -> list[tuple[int, int]] | None:
+        """The runs of consecutive cache slots holding keys 0 .. end - 1, when the kernels
+        attend them in place; else None."""
+        if not (self.kernels.in_place_attention and self.layout.full_attention):
+            return None
+        bs = self.layout.block_size
+        runs: list[tuple[int, int]] = []
+        for i, block in enumerate(blocks[: -(-end // bs)]):
+            keys = min(bs, end - i * bs)  # only the last block can be partly filled
+            if runs and sum(runs[-1]) == block * bs:
+                runs[-1] = (runs[-1][0], runs[-1][1] + keys)
+            else:
+                runs.append((block * bs, keys))
+        return runs if len(runs) <= self.kernels.max_history_runs else None
+
+    def _chunk(self, span: Span) -> AttentionPlan:
+        """A prompt chunk's plan."""
+        layout, dev = self.layout, self.layout.device
+        start, n = span.start, span.num_tokens
+        rows = slice(span.row, span.row + n)
+        key_start, blocks = self._blocks(span)
+        key_blocks = torch.tensor(blocks, device=dev)[None]
+        if self.kernels.prefills_paged(layout.head_dim):
+            num_keys = torch.tensor([start + n - key_start], device=dev)
+            return PagedPlan(rows, key_blocks, num_keys)
+        fold_max = self.kernels.fold_max_queries
+        fresh = start == 0 and n % layout.block_size == 0
+        if n > fold_max and fresh and all(w is None or w >= n for w in layout.windows):
+            masks = dict.fromkeys(layout.windows)  # whole fresh blocks: plain causal is exact
+            return GatheredPlan(rows, n, key_blocks, masks)
+        if start > 0 and (runs := self._history_runs(start, blocks)) is not None:
+            return InPlacePlan(rows, runs)
+        q_pos = torch.arange(start, start + n, device=dev)
+        k_pos = torch.arange(key_start, key_start + len(blocks) * layout.block_size, device=dev)
+        masks = self._masks(q_pos, k_pos, torch.tensor(True))
+        fold = n <= fold_max
+        if fold:
+            masks = {w: m.repeat_interleave(layout.head_group, dim=0) for w, m in masks.items()}
+        return GatheredPlan(rows, n, key_blocks, {w: m[None, None] for w, m in masks.items()}, fold)
+
+    def _decodes(self, rows: slice, decodes: list[Span]) -> AttentionPlan:
+        """The decodes' plan, all in one."""
+        dev, bs = self.layout.device, self.layout.block_size
+        keys = [(*self._blocks(s), s.start) for s in decodes]  # (first key pos, blocks, query)
+        width = max(len(blocks) for _, blocks, _ in keys)
+        # Padding points at block 0 and is never attended: masks drop it, and positions past
+        # the query, or on our kernel num_keys stops before it.
+        padded = [blocks + [0] * (width - len(blocks)) for _, blocks, _ in keys]
+        key_blocks = torch.tensor(padded, device=dev)
+        if self._decodes_paged():
+            num_keys = torch.tensor([q - k0 + 1 for k0, _, q in keys], device=dev)
+            return PagedPlan(rows, key_blocks, num_keys)
+        offsets = torch.arange(width * bs, device=dev)
+        k_pos = torch.tensor([k0 for k0, _, _ in keys], device=dev)[:, None] + offsets[None, :]
+        q_pos = torch.tensor([q for _, _, q in keys], device=dev)[:, None]
+        # [B, 1, 1, L]: one query per sequence, so a folded plan's rows share it by broadcast.
+        masks = {w: m[:, None] for w, m in self._masks(q_pos, k_pos, torch.tensor(True)).items()}
+        return GatheredPlan(rows, 1, key_blocks, masks, True)
