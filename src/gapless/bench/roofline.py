@@ -305,7 +305,9 @@ def engine_overhead(model_dir: Path, dtype: torch.dtype, batch: int, steps: int)
     from gapless.engine.sampling_params import SamplingParams
 
     dtype_name = str(dtype).removeprefix("torch.")
-    engine = Engine.from_pretrained(model_dir, EngineConfig.of(dtype=dtype_name, max_num_seqs=batch))
+    engine = Engine.from_pretrained(
+        model_dir, EngineConfig.of(dtype=dtype_name, max_num_seqs=batch)
+    )
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
     vocab = min(engine.decoder.config.vocab_size, engine.tokenizer.vocab_size)

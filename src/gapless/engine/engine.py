@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from gapless.device import rank_device
 from gapless.engine import distributed
 from gapless.engine.admission import Admission, RequestError
 from gapless.engine.cost_model import LEARNING_CHUNK, StepCostModel, step_features
@@ -29,7 +30,7 @@ from gapless.engine.sampler import SamplingState, TokenCounts, sample, top_logpr
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from gapless.engine.structured import GrammarCompiler, GrammarError
-from gapless.kernels import DTYPES, rank_device
+from gapless.kernels import DTYPES
 from gapless.kv.block_pool import BlockPool
 from gapless.model.checkpoint import load_model, read_model_config
 from gapless.model.decoder import Decoder
