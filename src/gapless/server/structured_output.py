@@ -1,8 +1,10 @@
 """The request fields that constrain the output's shape, as one grammar for the engine.
 
-OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", ...}), vLLM's
+OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", ...}) and the
+Responses API's `text.format` (the same, with the schema's fields flat), vLLM's
 `structured_outputs` ({"json": ...}, {"regex": ...}, {"choice": [...]}, {"json_object":
-true}) and vLLM's older `guided_json`, `guided_regex` and `guided_choice`. A request may use
+true}), vLLM's older `guided_json`, `guided_regex` and `guided_choice`, and Ollama's `format`
+("json" or a schema). A request may use
 one of them; each is compiled here, so a schema or regex that cannot work is a 400 naming the
 field, before the request is admitted.
 """
@@ -52,31 +54,53 @@ def output_grammar(body: dict[str, Any], grammars: GrammarCompiler) -> str | Non
 
 
 def _response_format(spec: Any, grammars: GrammarCompiler) -> str | None:
-    param = "response_format"
+    return _format(spec, grammars, "response_format", nested="json_schema")
+
+
+def text_format_grammar(spec: Any, grammars: GrammarCompiler) -> str | None:
+    """The Responses API's `text.format`: {"type": "text"}, {"type": "json_object"} or
+    {"type": "json_schema", "name", "schema", "strict"}, the schema's fields flat in it."""
+    return _format(spec, grammars, "text.format", nested=None)
+
+
+def _format(spec: Any, grammars: GrammarCompiler, param: str, nested: str | None) -> str | None:
+    """An OpenAI output format at `param`; a json_schema one holds its name, schema and
+    strict under `nested` (chat's response_format.json_schema), or flat when None."""
     if not isinstance(spec, dict):
-        raise invalid("response_format must be an object", param)
+        raise invalid(f"{param} must be an object", param)
     kind = spec.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
         return _compile(json_schema_grammar, _ANY_OBJECT, grammars, param)
     if kind != "json_schema":
-        raise invalid("response_format.type must be text, json_object or json_schema", param)
-    json_schema = spec.get("json_schema")
-    if not isinstance(json_schema, dict):
-        raise invalid("json_schema must be an object", f"{param}.json_schema")
+        raise invalid(f"{param}.type must be text, json_object or json_schema", param)
+    json_schema = spec
+    if nested is not None:
+        json_schema = spec.get(nested)
+        param = f"{param}.{nested}"
+        if not isinstance(json_schema, dict):
+            raise invalid(f"{nested} must be an object", param)
     name = json_schema.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
-        raise invalid(
-            "json_schema.name must be 1 to 64 letters, digits, '_' or '-'",
-            f"{param}.json_schema.name",
-        )
+        raise invalid(f"{param}.name must be 1 to 64 letters, digits, '_' or '-'", f"{param}.name")
     if not isinstance(json_schema.get("strict", False), bool | None):
-        raise invalid("json_schema.strict must be a boolean", f"{param}.json_schema.strict")
+        raise invalid(f"{param}.strict must be a boolean", f"{param}.strict")
     schema = json_schema.get("schema", _ANY_OBJECT)
     if not isinstance(schema, dict):
-        raise invalid("json_schema.schema must be an object", f"{param}.json_schema.schema")
-    return _compile(json_schema_grammar, schema, grammars, f"{param}.json_schema.schema")
+        raise invalid(f"{param}.schema must be an object", f"{param}.schema")
+    return _compile(json_schema_grammar, schema, grammars, f"{param}.schema")
+
+
+def ollama_format_grammar(value: Any, grammars: GrammarCompiler) -> str | None:
+    """Ollama's `format`: "json" (one JSON object) or a JSON schema object; "" or null: none."""
+    if value is None or value == "":
+        return None
+    if value == "json":
+        return _compile(json_schema_grammar, _ANY_OBJECT, grammars, "format")
+    if not isinstance(value, dict):
+        raise invalid('format must be "json" or a JSON schema object', "format")
+    return _compile(json_schema_grammar, value, grammars, "format")
 
 
 def _guided(kind: str, value: Any, grammars: GrammarCompiler, param: str) -> str:

@@ -108,18 +108,20 @@ def _check_tool(tool: Any, i: int) -> str:
     function = tool.get("function")
     if not isinstance(function, dict):
         raise invalid("a tool needs a `function` object", f"{param}.function")
+    return check_function(function, f"{param}.function")
+
+
+def check_function(function: dict[str, Any], param: str) -> str:
+    """A function's `name`, `description` and `parameters` (at `param`); its name."""
     name = function.get("name")
     if not isinstance(name, str) or not _TOOL_NAME.match(name):
         raise invalid(
-            "a function name must be 1 to 64 letters, digits, '_', '.' or '-'",
-            f"{param}.function.name",
+            "a function name must be 1 to 64 letters, digits, '_', '.' or '-'", f"{param}.name"
         )
     if not isinstance(function.get("description", ""), str):
-        raise invalid("a function description must be a string", f"{param}.function.description")
+        raise invalid("a function description must be a string", f"{param}.description")
     if not isinstance(function.get("parameters", {}), dict):
-        raise invalid(
-            "function parameters must be a JSON schema object", f"{param}.function.parameters"
-        )
+        raise invalid("function parameters must be a JSON schema object", f"{param}.parameters")
     return name
 
 
