@@ -31,6 +31,7 @@ from gapless.server import (
     openai_common,
     openai_completions,
     protocol,
+    responses,
     tokenization,
 )
 from gapless.server.endpoint import (
@@ -55,7 +56,14 @@ FAILED_LINGER_S = 2.0
 CANCEL_ROUTE = (
     "POST",
     "/v1/cancel/{request_id}",
-    cancel_endpoint((openai_chat.ID_PREFIX, openai_completions.ID_PREFIX, anthropic.ID_PREFIX)),
+    cancel_endpoint(
+        (
+            openai_chat.ID_PREFIX,
+            openai_completions.ID_PREFIX,
+            responses.ID_PREFIX,
+            anthropic.ID_PREFIX,
+        )
+    ),
 )
 
 # Each API dialect's routes, with its error_body for every error on them.
@@ -65,6 +73,7 @@ DIALECTS = (
             *openai_common.ROUTES,
             *openai_chat.ROUTES,
             *openai_completions.ROUTES,
+            *responses.ROUTES,
             *tokenization.ROUTES,
             CANCEL_ROUTE,
         ],

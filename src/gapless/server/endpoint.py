@@ -32,6 +32,7 @@ from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEven
 from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
 from gapless.server import protocol
 from gapless.server.protocol import APIError
+from gapless.server.response_store import ResponseStore
 
 log = logging.getLogger("gapless.server")
 
@@ -54,6 +55,10 @@ class ServerSettings:
     shutdown_grace_s: float = 30.0
     # How tool calls are read out of the output (tool_calls.PARSERS); None: from the template.
     tool_call_parser: str | None = None
+    # The Responses API's stored responses (response_store.py): at most this many, and this
+    # many bytes of JSON; the least recently used are evicted first.
+    response_store_entries: int = 1000
+    response_store_bytes: int = 64 * 2**20
 
 
 class ServerState:
@@ -64,6 +69,9 @@ class ServerState:
         self.async_engine = AsyncEngine(engine, thread)
         self.settings = settings
         self.created = protocol.now()
+        self.responses = ResponseStore(
+            settings.response_store_entries, settings.response_store_bytes
+        )
         self.draining = False
         self.live: set[str] = set()  # request ids whose response is still being written
         self.idle = asyncio.Event()
