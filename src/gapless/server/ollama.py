@@ -1,25 +1,37 @@
-"""The Ollama dialect: /api/chat, /api/generate, /api/tags, /api/show, /api/version.
+"""The Ollama dialect: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version.
 
-Requests (`options` holding the sampling fields) become prompt ids and SamplingParams; engine
-events become NDJSON lines, one per token and a last one with `done: true` and the counts and
-durations, or that last line alone with `stream: false`; errors are {"error": "..."}.
+Requests (`options` holding the sampling fields, `format` the output's shape, `tools`) become
+prompt ids and SamplingParams; engine events become NDJSON lines, one per token and a last one
+with `done: true` and the counts and durations, or that last line alone with `stream: false`;
+tool calls are read out of the output as on the OpenAI chat endpoint and come back as
+`message.tool_calls`; errors are {"error": "..."}. One model is always loaded, so
+`keep_alive` is accepted and changes nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 from importlib.metadata import version
 from typing import Any
 
+import jinja2
+import jinja2.meta
+import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gapless.engine.admission import Admission
 from gapless.engine.events import FinishedEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
-from gapless.server import protocol
+from gapless.engine.structured import GrammarCompiler
+from gapless.kernels.quant import GroupQuant
+from gapless.model.loader import expected_shapes
+from gapless.server import protocol, tool_calls
 from gapless.server.endpoint import (
     FieldNames,
     Renderer,
@@ -29,6 +41,8 @@ from gapless.server.endpoint import (
     read_json,
 )
 from gapless.server.protocol import APIError, bool_field, invalid, str_field
+from gapless.server.structured_output import ollama_format_grammar
+from gapless.server.tool_calls import ToolCall, ToolCallStream, ToolRequest
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # options name -> SamplingParams field
@@ -43,6 +57,8 @@ _FLOAT_OPTIONS = {
 _INT_OPTIONS = {"top_k": "top_k", "seed": "seed"}
 # The request's names for the engine's fields where the options name them differently.
 _OPTION_NAMES = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
+# /api/ps: when the model unloads. Never: this is as far as the timestamp goes.
+NEVER_EXPIRES = "9999-12-31T23:59:59Z"
 
 
 def error_body(error: APIError) -> dict[str, Any]:
@@ -57,6 +73,7 @@ class ParsedOllama:
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
+    tool_parser: str | None = None  # chat with tools: how calls are read out of the output
 
 
 def _model_name(state: ServerState) -> str:
@@ -77,7 +94,10 @@ def field_names(chat: bool) -> FieldNames:
     return {**_OPTION_NAMES, "prompt": "messages"} if chat else _OPTION_NAMES
 
 
-def _sampling(body: dict[str, Any], admission: Admission, prompt_len: int) -> SamplingParams:
+def _sampling(
+    body: dict[str, Any], admission: Admission, grammars: GrammarCompiler, prompt_len: int
+) -> dict[str, Any]:
+    """SamplingParams fields: `options`, and `format` as the output's grammar."""
     options = protocol.dict_field(body, "options") or {}
     fields = protocol.number_fields(options, _FLOAT_OPTIONS, _INT_OPTIONS)
     num_predict = protocol.int_field(options, "num_predict")
@@ -86,7 +106,8 @@ def _sampling(body: dict[str, Any], admission: Admission, prompt_len: int) -> Sa
         num_predict = None
     fields["max_tokens"] = admission.output_budget(num_predict, prompt_len)
     fields["stop"] = protocol.stop_field(options)
-    return SamplingParams(**fields)
+    fields["grammar"] = ollama_format_grammar(body.get("format"), grammars)
+    return fields
 
 
 def _stream(body: dict[str, Any]) -> bool:
@@ -104,28 +125,52 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def parse_chat(body: dict[str, Any], admission: Admission) -> ParsedOllama:
-    tools = protocol.list_field(body, "tools") or None
-    prompt_ids = admission.check_prompt(admission.encode_chat(_messages(body), tools=tools))
-    params = _sampling(body, admission, len(prompt_ids))
-    return ParsedOllama(prompt_ids, params, _stream(body))
+def _tools(body: dict[str, Any]) -> ToolRequest | None:
+    """`tools`, in OpenAI's shape; Ollama has no tool_choice: the model chooses."""
+    return tool_calls.parse_tools({"tools": protocol.list_field(body, "tools") or None})
 
 
-def parse_generate(body: dict[str, Any], admission: Admission) -> ParsedOllama:
+def parse_chat(
+    body: dict[str, Any],
+    admission: Admission,
+    grammars: GrammarCompiler,
+    configured_parser: str | None,
+) -> ParsedOllama:
+    tools = _tools(body)
+    offered = tools.tools if tools is not None and tools.tools else None
+    prompt_ids = admission.check_prompt(admission.encode_chat(_messages(body), tools=offered))
+    fields = _sampling(body, admission, grammars, len(prompt_ids))
+    parser = None
+    if offered:
+        parser = tool_calls.choose_parser(admission.tokenizer.chat_template, configured_parser)
+        # Tool-call markers such as [TOOL_CALLS] are often special tokens: keep their text.
+        fields["skip_special_tokens"] = False
+    return ParsedOllama(prompt_ids, SamplingParams(**fields), _stream(body), parser)
+
+
+def parse_generate(
+    body: dict[str, Any], admission: Admission, grammars: GrammarCompiler
+) -> ParsedOllama:
     """A prompt goes through the chat template as a user message (after `system`, if any),
     as Ollama does, unless `raw` is set or the model has no template."""
     prompt = str_field(body, "prompt") or ""
     system = str_field(body, "system")
     if body.get("images"):
         raise invalid("images are not supported", "images")
+    if str_field(body, "suffix"):
+        raise invalid(
+            "suffix (fill-in-the-middle) needs a template that places text after the "
+            "insertion point, and gapless has none for any model: send the prompt alone",
+            "suffix",
+        )
     if bool_field(body, "raw") or admission.tokenizer.chat_template is None:
         prompt_ids = admission.check_prompt(prompt)
     else:
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
         prompt_ids = admission.check_prompt(admission.encode_chat(messages))
-    params = _sampling(body, admission, len(prompt_ids))
-    return ParsedOllama(prompt_ids, params, _stream(body))
+    fields = _sampling(body, admission, grammars, len(prompt_ids))
+    return ParsedOllama(prompt_ids, SamplingParams(**fields), _stream(body))
 
 
 # -- rendering engine events ---------------------------------------------------------------
@@ -139,32 +184,47 @@ def _ns(seconds: float) -> int:
     return round(seconds * 1e9)
 
 
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"function": {"name": call.name, "arguments": json.loads(call.arguments)}}
+
+
 class _OllamaRenderer(Renderer):
     stream_media_type = "application/x-ndjson"
 
-    def __init__(self, model: str, chat: bool) -> None:
+    def __init__(self, model: str, chat: bool, parsed: ParsedOllama) -> None:
         super().__init__()
         self.model = model
         self.chat = chat
+        self.tool_stream = ToolCallStream(parsed.tool_parser) if parsed.tool_parser else None
 
     def error_body(self, error: APIError) -> dict[str, Any]:
         return error_body(error)
 
-    def line(self, text: str, done: bool) -> dict[str, Any]:
+    def text_of(self, event: TokenEvent) -> str:
+        """The event's text that is content: a tool call's text is held back."""
+        return self.tool_stream.feed(event.text) if self.tool_stream else event.text
+
+    def rest(self) -> tuple[str, list[ToolCall]]:
+        """At the end: held text that was not a call after all, and the calls."""
+        return self.tool_stream.finish() if self.tool_stream else ("", [])
+
+    def line(self, text: str, done: bool, calls: list[ToolCall] | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "created_at": _created_at()}
         if self.chat:
             out["message"] = {"role": "assistant", "content": text}
+            if calls:
+                out["message"]["tool_calls"] = [_tool_call(call) for call in calls]
         else:
             out["response"] = text
         out["done"] = done
         return out
 
-    def last(self, text: str, finished: FinishedEvent) -> dict[str, Any]:
+    def last(self, text: str, finished: FinishedEvent, calls: list[ToolCall]) -> dict[str, Any]:
         timings = finished.timings
         end = timings.get("finished", 0.0)
         first_token = timings.get("first_token", end)
         return {
-            **self.line(text, done=True),
+            **self.line(text, True, calls),
             "done_reason": finished.finish_reason,
             "total_duration": _ns(end),
             "load_duration": 0,
@@ -175,16 +235,24 @@ class _OllamaRenderer(Renderer):
         }
 
     def token(self, event: TokenEvent) -> list[bytes]:
-        return [ndjson(self.line(event.text, done=False))] if event.text else []
+        text = self.text_of(event)
+        return [ndjson(self.line(text, done=False))] if text else []
 
     def finished(self, event: FinishedEvent) -> list[bytes]:
-        return [ndjson(self.last("", event))]
+        # As Ollama streams them: the calls in a line of their own before the last.
+        rest, calls = self.rest()
+        pieces = [ndjson(self.line(rest, False, calls))] if rest or calls else []
+        return [*pieces, ndjson(self.last("", event, []))]
 
     def failed(self, error: APIError) -> list[bytes]:
         return [ndjson(error_body(error))]
 
+    def absorb(self, event: TokenEvent) -> None:
+        self.text.append(self.text_of(event))
+
     def response(self, finished: FinishedEvent) -> dict[str, Any]:
-        return self.last("".join(self.text), finished)
+        rest, calls = self.rest()
+        return self.last("".join(self.text) + rest, finished, calls)
 
 
 # -- endpoints ------------------------------------------------------------------------------
@@ -193,13 +261,21 @@ class _OllamaRenderer(Renderer):
 async def _generate(state: ServerState, request: Request, chat: bool) -> Response:
     body = await read_json(state, request)
     model = _check_model(state, body)
-    if not chat and not body.get("prompt"):
+    if not chat and not body.get("prompt") and not body.get("suffix"):
         # An empty prompt only loads the model, which is always loaded here.
         loaded = {"model": model, "created_at": _created_at(), "response": "", "done": True}
         return JSONResponse({**loaded, "done_reason": "load"})
-    parse = partial(parse_chat if chat else parse_generate, body, state.engine.admission)
-    renderer = _OllamaRenderer(model, chat)
-    return await generate(state, field_names(chat), parse, lambda parsed, request_id: renderer)
+    engine = state.engine
+    if chat:
+        parser = state.settings.tool_call_parser
+        parse = partial(parse_chat, body, engine.admission, engine.grammars, parser)
+    else:
+        parse = partial(parse_generate, body, engine.admission, engine.grammars)
+
+    def renderer(parsed: ParsedOllama, request_id: str) -> _OllamaRenderer:
+        return _OllamaRenderer(model, chat, parsed)
+
+    return await generate(state, field_names(chat), parse, renderer)
 
 
 async def chat(state: ServerState, request: Request) -> Response:
@@ -215,15 +291,61 @@ def _family(state: ServerState) -> str:
     return state.engine.decoder.config.architecture.removesuffix("ForCausalLM").lower()
 
 
-def _details(state: ServerState) -> dict[str, Any]:
+def _parameter_count(state: ServerState) -> int:
+    return sum(math.prod(shape) for shape in expected_shapes(state.engine.decoder.config).values())
+
+
+def _parameter_size(count: int) -> str:
+    """As Ollama writes it: 135M, 8.0B."""
+    if count >= 10**9:
+        return f"{count / 10**9:.1f}B"
+    return f"{count / 10**6:.0f}M" if count >= 10**6 else f"{count / 10**3:.0f}K"
+
+
+def _tensors(state: ServerState) -> tuple[int, list[GroupQuant]]:
+    """The bytes of the tensors this process holds for the model (the weights, and small
+    buffers such as a layer's rope frequencies), each counted once (tied ones share a
+    tensor), and its quantized weights: all that is reachable from the decoder's embedding,
+    layers and head."""
+    decoder = state.engine.decoder
+    seen: set[int] = set()
+    total, quantized = 0, []
+    todo: list[Any] = [decoder.embed, decoder.final_norm, decoder.lm_head, *decoder.layers]
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            total += obj.numel() * obj.element_size()
+            continue
+        if isinstance(obj, GroupQuant):
+            quantized.append(obj)
+        if isinstance(obj, list | tuple):
+            todo.extend(obj)
+        elif dataclasses.is_dataclass(obj) or type(obj).__module__.startswith("gapless."):
+            todo.extend(vars(obj).values())  # a layer, a linear, a norm, a GroupQuant
+    return total, quantized
+
+
+def _quantization_level(state: ServerState, quantized: list[GroupQuant]) -> str:
+    """INT8 or INT4 for quantized linears (int8's GroupQuant has no offset), else the float
+    type's GGUF name."""
+    if quantized:
+        return "INT8" if quantized[0].offset is None else "INT4"
+    floats = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    return floats.get(state.engine.decoder.dtype, str(state.engine.decoder.dtype))
+
+
+def _details(state: ServerState, quantized: list[GroupQuant]) -> dict[str, Any]:
     family = _family(state)
     return {
         "parent_model": "",
         "format": "",
         "family": family,
         "families": [family],
-        "parameter_size": "",
-        "quantization_level": "",
+        "parameter_size": _parameter_size(_parameter_count(state)),
+        "quantization_level": _quantization_level(state, quantized),
     }
 
 
@@ -231,35 +353,90 @@ def _modified_at(state: ServerState) -> str:
     return datetime.fromtimestamp(state.created, UTC).isoformat().replace("+00:00", "Z")
 
 
-async def tags(state: ServerState, request: Request) -> Response:
+def _card(state: ServerState) -> dict[str, Any]:
     name = _model_name(state)
-    card = {
+    size, quantized = _tensors(state)
+    return {
         "name": name,
         "model": name,
-        "modified_at": _modified_at(state),
-        "size": 0,
+        "size": size,
         "digest": "",
-        "details": _details(state),
+        "details": _details(state, quantized),
     }
-    return JSONResponse({"models": [card]})
+
+
+async def tags(state: ServerState, request: Request) -> Response:
+    return JSONResponse({"models": [{**_card(state), "modified_at": _modified_at(state)}]})
+
+
+async def ps(state: ServerState, request: Request) -> Response:
+    """The loaded model: always the one served, which never unloads, in memory (not VRAM)."""
+    loaded = {
+        **_card(state),
+        "expires_at": NEVER_EXPIRES,
+        "size_vram": 0,
+        "context_length": state.engine.max_model_len,
+    }
+    return JSONResponse({"models": [loaded]})
+
+
+def takes_tools(template: str | None) -> bool:
+    """Whether a chat template reads the `tools` variable (Ollama's "tools" capability)."""
+    if not template:
+        return False
+    try:
+        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateError:
+        return False
+    return "tools" in jinja2.meta.find_undeclared_variables(parsed)
+
+
+def _parameters(state: ServerState) -> str:
+    """Modelfile PARAMETER lines: the context length and the tokens that end generation."""
+    tokenizer = state.engine.tokenizer
+    lines = [("num_ctx", str(state.engine.max_model_len))]
+    for token_id in sorted(state.engine.eos_ids):
+        lines.append(("stop", json.dumps(tokenizer.token_text(token_id), ensure_ascii=False)))
+    return "\n".join(f"{name:<30} {value}" for name, value in lines)
+
+
+def _model_info(state: ServerState) -> dict[str, Any]:
+    """GGUF's metadata keys, as Ollama shows them."""
+    family, config = _family(state), state.engine.decoder.config
+    info: dict[str, Any] = {
+        "general.architecture": family,
+        "general.parameter_count": _parameter_count(state),
+    }
+    for key, value in (
+        ("context_length", state.engine.max_model_len),
+        ("embedding_length", config.hidden_size),
+        ("feed_forward_length", config.intermediate_size),
+        ("block_count", config.num_layers),
+        ("attention.head_count", config.num_heads),
+        ("attention.head_count_kv", config.num_kv_heads),
+        ("attention.key_length", config.head_dim),
+        ("attention.value_length", config.head_dim),
+        ("attention.layer_norm_rms_epsilon", config.rms_norm_eps),
+        ("rope.freq_base", config.rope_theta),
+        ("vocab_size", config.vocab_size),
+    ):
+        info[f"{family}.{key}"] = value
+    return info
 
 
 async def show(state: ServerState, request: Request) -> Response:
     body = await read_json(state, request)
     _check_model(state, body)
-    family = _family(state)
     template = state.engine.tokenizer.chat_template
+    capabilities = ["completion"] + (["tools"] if takes_tools(template) else [])
     return JSONResponse(
         {
             "modelfile": "",
-            "parameters": "",
+            "parameters": _parameters(state),
             "template": template or "",
-            "details": _details(state),
-            "model_info": {
-                "general.architecture": family,
-                f"{family}.context_length": state.engine.max_model_len,
-            },
-            "capabilities": ["completion"],
+            "details": _details(state, _tensors(state)[1]),
+            "model_info": _model_info(state),
+            "capabilities": capabilities,
             "modified_at": _modified_at(state),
         }
     )
@@ -274,5 +451,6 @@ ROUTES = [
     ("POST", "/api/generate", generate_text),
     ("GET", "/api/tags", tags),
     ("POST", "/api/show", show),
+    ("GET", "/api/ps", ps),
     ("GET", "/api/version", ollama_version),
 ]
