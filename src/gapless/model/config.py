@@ -1,6 +1,8 @@
 """Model configuration read from a Hugging Face `config.json`.
 
-Every supported architecture is the same pre-norm decoder; they differ only by the flags here.
+`ModelConfig` holds what every family has and what the engine reads (sizes, heads, layer
+windows, stop ids); each family (model/families/) subclasses it with its own fields and reads
+its own keys. `ModelConfig.from_dict` hands the keys to the family the `architectures` name.
 """
 
 from __future__ import annotations
@@ -8,14 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-# architecture -> (q/k/v bias by default, per-head q/k RMSNorm, honours sliding_window by default)
-ARCHITECTURES: dict[str, tuple[bool, bool, bool]] = {
-    "LlamaForCausalLM": (False, False, False),
-    "MistralForCausalLM": (False, False, True),
-    "Qwen2ForCausalLM": (True, False, False),
-    "Qwen3ForCausalLM": (False, True, False),
-}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -36,10 +32,7 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
+    # The (global layers') rotary embedding: base, type and the type's other parameters.
     rope_theta: float
     rope_type: str
     rope_scaling: dict
@@ -65,62 +58,58 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
-        archs = raw.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in ARCHITECTURES:
-            raise ConfigError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
-            )
-        default_bias, qk_norm, default_sliding = ARCHITECTURES[arch]
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"unsupported hidden_act {act!r}; supported: silu")
-        hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+        """The config of the family that reads raw's architecture (a ModelConfig subclass)."""
+        from gapless.model.families import family_of
 
+        archs = raw.get("architectures") or []
+        return family_of(archs[0] if archs else None).config(raw)
+
+
+def parse_rope(rope: dict | None, default_theta: float) -> tuple[float, str, dict]:
+    """(base, type, the type's other parameters) of one rope's settings."""
+    rope = dict(rope or {})
+    theta = float(rope.pop("rope_theta", default_theta))
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+        )
+    return theta, rope_type, rope
+
+
+def base_fields(raw: dict, layer_windows: tuple[int | None, ...], **rope: Any) -> dict[str, Any]:
+    """ModelConfig's fields from the config.json keys every family names alike, but the
+    layer windows (each family reads its own) and the rope, which a family passes as
+    rope_theta, rope_type and rope_scaling where they are not the Llama-style keys'."""
+    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+    if not rope:
         # transformers >= 5 nests rope settings in `rope_parameters`; older files use
         # `rope_theta` + `rope_scaling`.
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            raise ConfigError(
-                f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
-            )
+        settings = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        theta, rope_type, scaling = parse_rope(settings, raw.get("rope_theta", 10000.0))
+        rope = {"rope_theta": theta, "rope_type": rope_type, "rope_scaling": scaling}
+    eos = raw.get("eos_token_id")
+    return {
+        "architecture": raw["architectures"][0],
+        "vocab_size": raw["vocab_size"],
+        "hidden_size": hidden,
+        "intermediate_size": raw["intermediate_size"],
+        "num_layers": raw["num_hidden_layers"],
+        "num_heads": heads,
+        "num_kv_heads": raw.get("num_key_value_heads") or heads,
+        "head_dim": raw.get("head_dim") or hidden // heads,
+        "rms_norm_eps": raw.get("rms_norm_eps", 1e-6),
+        "max_position_embeddings": raw.get("max_position_embeddings", 4096),
+        "tie_word_embeddings": raw.get("tie_word_embeddings", False),
+        "layer_windows": layer_windows,
+        "torch_dtype": raw.get("torch_dtype") or raw.get("dtype"),
+        "eos_token_ids": tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        "bos_token_id": raw.get("bos_token_id"),
+        **rope,
+    }
 
-        num_layers = raw["num_hidden_layers"]
-        window = raw.get("sliding_window")
-        uses_window = raw.get("use_sliding_window", default_sliding) and window
-        layer_types = raw.get("layer_types")
-        if layer_types and uses_window:
-            windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
-        else:
-            windows = tuple([window if uses_window else None] * num_layers)
 
-        bias = raw.get("attention_bias", default_bias)
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        return cls(
-            architecture=arch,
-            vocab_size=raw["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=raw["intermediate_size"],
-            num_layers=num_layers,
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or hidden // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            qkv_bias=bias,
-            # Llama's attention_bias also covers o_proj; Qwen2's q/k/v bias does not.
-            o_bias=bias and arch != "Qwen2ForCausalLM",
-            mlp_bias=raw.get("mlp_bias", False),
-            qk_norm=qk_norm,
-            rope_theta=rope_theta,
-            rope_type=rope_type,
-            rope_scaling=rope,
-            layer_windows=windows,
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            eos_token_ids=eos_ids,
-            bos_token_id=raw.get("bos_token_id"),
-        )
+def check_activation(raw: dict, key: str, supported: str) -> None:
+    act = raw.get(key, supported)
+    if act != supported:
+        raise ConfigError(f"unsupported {key} {act!r}; supported: {supported}")

@@ -1,34 +1,27 @@
-"""One pre-norm decoder for Llama, Mistral, Qwen2 and Qwen3, run over a ragged mixed batch.
+"""The decoder every family runs: embedding, the family's layers, final norm and lm_head, over a
+ragged mixed batch.
 
 A step's batch is flat: the new tokens of every sequence are concatenated, whether a sequence
 brings one decode token or a chunk of its prompt. Projections and MLPs run once over all of
-them; attention reads each sequence's history from the paged KV cache.
+them; attention reads each sequence's history from the paged KV cache. A family's layer
+(model/families/) gets the step's shared pieces from `Step`: the rotations of its rope, the
+write of its new K/V and attention over the cache, and the tensor-parallel all-reduce.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from gapless.kernels import AttentionPlan, Kernels, Linear
+from gapless.kernels.plans import KVCache
 from gapless.model.config import ModelConfig
 from gapless.model.parallel import TensorParallel
-
-
-@dataclass
-class Layer:
-    input_norm: torch.Tensor
-    qkv: Linear  # q, k and v projections fused: one matmul instead of three
-    o: Linear
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    post_norm: torch.Tensor
-    gate: Linear
-    up: Linear
-    down: Linear
 
 
 @dataclass
@@ -45,13 +38,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    scaling = config.rope_scaling
-    if config.rope_type == "linear":
+@dataclass
+class RMSNorm:
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_inv_freq(
+    head_dim: int, theta: float, rope_type: str = "default", scaling: dict | None = None
+) -> torch.Tensor:
+    """The inverse frequencies of a rotary embedding over head_dim dims (ROPE_TYPES)."""
+    dim = head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = scaling or {}
+    if rope_type == "linear":
         return inv_freq / scaling["factor"]
-    if config.rope_type == "llama3":
+    if rope_type == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
@@ -62,6 +67,16 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
     return inv_freq
+
+
+@dataclass(eq=False)
+class Rope:
+    """One rotary embedding: its inverse frequencies, and a factor on cos and sin (LongRoPE's
+    attention factor; 1 elsewhere). Layers with the same rope share one, so that a step
+    computes its rotations once."""
+
+    inv_freq: torch.Tensor
+    scale: float = 1.0
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -76,64 +91,112 @@ def _unchanged(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@dataclass
+class Step:
+    """What every layer of one forward shares."""
+
+    batch: BatchInput
+    kernels: Kernels
+    dtype: torch.dtype
+    # Tensor parallel: sums the ranks' partial outputs of a row-split linear (o, down).
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] = _unchanged
+    _rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def rotation(self, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin ([T, 1, D], see apply_rope) of the batch's positions under
+        rope, computed once per step."""
+        if (cached := self._rotations.get(id(rope))) is not None:
+            return cached
+        freqs = self.batch.positions.float()[:, None] * rope.inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if rope.scale != 1.0:
+            cos, sin = cos * rope.scale, sin * rope.scale
+        cos = cos.repeat(1, 2)[:, None, :].to(self.dtype)
+        signed_sin = torch.cat((-sin, sin), dim=-1)[:, None, :].to(self.dtype)
+        self._rotations[id(rope)] = cos, signed_sin
+        return cos, signed_sin
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Writes the batch's new keys and values k, v [T, Hkv, D] into this layer's cache,
+        then attends the queries q [T, H, D] (scaled by D ** -0.5) over it, within window.
+        Returns [T, H * D]."""
+        k_cache, v_cache = kv_cache
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k_cache.flatten(0, 1).index_copy_(0, self.batch.write_slots, k)
+        v_cache.flatten(0, 1).index_copy_(0, self.batch.write_slots, v)
+        return self.kernels.attention(q, k, v, kv_cache, self.batch.attention, window)
+
+
+class Layer(Protocol):
+    """A family's decoder layer."""
+
+    def forward(self, x: torch.Tensor, step: Step, kv_cache: KVCache) -> torch.Tensor:
+        """The hidden states x [T, hidden] after this layer; writes its K/V to kv_cache."""
+        ...
+
+
+@dataclass
+class Body:
+    """What a family builds from its weights, for the Decoder to run between the embedding
+    lookup and lm_head; embed_scale and logit_softcap as Decoder's."""
+
+    layers: list[Layer]
+    final_norm: Callable[[torch.Tensor], torch.Tensor]
+    embed_scale: float | None = None
+    logit_softcap: float | None = None
+
+
 class Decoder:
     def __init__(
         self,
         config: ModelConfig,
         embed: torch.Tensor,
         layers: list[Layer],
-        final_norm: torch.Tensor,
+        final_norm: Callable[[torch.Tensor], torch.Tensor],
         lm_head: Linear,
         kernels: Kernels,
         parallel: TensorParallel | None = None,
+        embed_scale: float | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
+        """embed_scale: a factor on the embeddings, in their dtype (Gemma's sqrt(hidden));
+        logit_softcap: logits become cap * tanh(logits / cap) (Gemma 2)."""
         self.config = config
         self.kernels = kernels
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
-        self.inv_freq = rope_inv_freq(config).to(embed.device)
         self.dtype = embed.dtype
         self.device = embed.device
         self.parallel = parallel
+        self.embed_scale = (
+            None if embed_scale is None else torch.tensor(embed_scale).to(embed.dtype)
+        )
+        self.logit_softcap = logit_softcap
         # Tensor parallel: sums the ranks' partial outputs of o and down; gathers the ranks'
         # vocabulary slices of the logits.
         self.all_reduce = parallel.all_reduce if parallel else _unchanged
         self.gather_vocab = parallel.gather_vocab if parallel else _unchanged
 
     @torch.inference_mode()
-    def forward(
-        self, batch: BatchInput, kv_cache: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> torch.Tensor:
+    def forward(self, batch: BatchInput, kv_cache: list[KVCache]) -> torch.Tensor:
         """Runs the batch, writes its K/V into kv_cache, returns float32 logits [R, vocab]."""
-        cfg = self.config
+        step = Step(batch, self.kernels, self.dtype, self.all_reduce)
         x = F.embedding(batch.token_ids, self.embed)
-        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]
-        cos = freqs.cos().repeat(1, 2)[:, None, :].to(self.dtype)
-        sin = freqs.sin()
-        signed_sin = torch.cat((-sin, sin), dim=-1)[:, None, :].to(self.dtype)
-        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qk_size = (heads + kv_heads) * head_dim
-        for layer, window, (k_cache, v_cache) in zip(
-            self.layers, cfg.layer_windows, kv_cache, strict=True
-        ):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(h)
-            # q and k heads side by side, so one rotation covers both.
-            qk = qkv[:, :qk_size].view(-1, heads + kv_heads, head_dim)
-            v = qkv[:, qk_size:].view(-1, kv_heads, head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(qk[:, :heads], layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(qk[:, heads:], layer.k_norm, cfg.rms_norm_eps)
-                qk = torch.cat((q, k), dim=1)
-            qk = apply_rope(qk, cos, signed_sin)
-            q, k, v = qk[:, :heads], qk[:, heads:].to(k_cache.dtype), v.to(v_cache.dtype)
-            k_cache.flatten(0, 1).index_copy_(0, batch.write_slots, k)
-            v_cache.flatten(0, 1).index_copy_(0, batch.write_slots, v)
-            attn = self.kernels.attention(q, k, v, (k_cache, v_cache), batch.attention, window)
-            x = x + self.all_reduce(layer.o(attn))
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x = x + self.all_reduce(layer.down(layer.up.times(h, layer.gate.silu(h))))
-        x = rms_norm(x[batch.logit_rows], self.final_norm, cfg.rms_norm_eps)
-        return self.gather_vocab(self.lm_head(x))[:, : cfg.vocab_size].float()
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        for layer, cache in zip(self.layers, kv_cache, strict=True):
+            x = layer.forward(x, step, cache)
+        x = self.final_norm(x[batch.logit_rows])
+        logits = self.gather_vocab(self.lm_head(x))[:, : self.config.vocab_size].float()
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits

@@ -9,7 +9,6 @@ take; other quantized types go through the `gguf` package's reference dequantize
 
 from __future__ import annotations
 
-import functools
 import re
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from gapless.kernels import resolve_dtype, select
 from gapless.kernels.quant import GroupQuant
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder
+from gapless.model.families import common, family_of, gguf_family
 from gapless.model.gguf_tokenizer import field_value, tokenizer_from_gguf
 from gapless.model.loader import (
     Weight,
@@ -35,12 +35,6 @@ from gapless.model.parallel import TensorParallel
 from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE, quantizer
 from gapless.model.tokenizer import Tokenizer
 
-# general.architecture -> the Hugging Face architecture with the same decoder.
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 UNPACKED_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1)
 INT4_TYPES = (QType.Q4_0, QType.Q4_1)  # run on the int4 linears as they are
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
@@ -49,33 +43,16 @@ REFERENCE_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q5_0, QType.Q5_1, Q
                    QType.Q3_K)  # fmt: skip
 SUPPORTED_TYPES = (*FLOAT_TYPES, *UNPACKED_TYPES, *REFERENCE_TYPES)
 
-_TOP_LEVEL_NAMES = {
-    "model.embed_tokens": "token_embd",
-    "model.norm": "output_norm",
-    "lm_head": "output",
-}
-_LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def gguf_name(hf_name: str) -> str:
-    """The GGUF tensor name llama.cpp's converter gives a Hugging Face tensor name."""
+def gguf_name(hf_name: str, names: dict[str, str] = common.GGUF_NAMES) -> str:
+    """The GGUF tensor name llama.cpp's converter gives a Hugging Face tensor name, by a
+    family's GGUF_NAMES."""
     module, _, param = hf_name.rpartition(".")
     if layer := _LAYER.fullmatch(module):
-        return f"blk.{layer[1]}.{_LAYER_NAMES[layer[2]]}.{param}"
-    return f"{_TOP_LEVEL_NAMES[module]}.{param}"
+        return f"blk.{layer[1]}.{names[layer[2]]}.{param}"
+    return f"{names[module]}.{param}"
 
 
 def unpack(blocks: torch.Tensor, qtype: QType) -> GroupQuant:
@@ -124,10 +101,7 @@ def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
 def read_config(reader: gguf.GGUFReader) -> ModelConfig:
     """The ModelConfig a GGUF file's metadata (and which tensors it has) describe."""
     arch = field_value(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
-        )
+    family, hf_arch = gguf_family(arch)
 
     def meta(key: str, default: object = None) -> object:
         return field_value(reader, f"{arch}.{key}", default)
@@ -146,9 +120,10 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
     eos_ids = [
         field_value(reader, f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id")
     ]
-    # The same keys a config.json has, so that one parser reads both.
+    # The same keys a config.json has, so that the family's parser reads both; these are the
+    # ones every llama.cpp file writes alike, and the family adds its own.
     raw = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "architectures": [hf_arch],
         "vocab_size": meta("vocab_size") or len(tokens.data),
         "hidden_size": hidden,
         "intermediate_size": meta("feed_forward_length"),
@@ -173,17 +148,7 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         "eos_token_id": [i for i in eos_ids if i is not None],
         "bos_token_id": field_value(reader, "tokenizer.ggml.bos_token_id"),
     }
-    return ModelConfig.from_dict(raw)
-
-
-def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's reordering of q/k rows for its rope layout (`llama` files only).
-
-    Per head, the converter interleaves the two rotated halves (rows 0, d/2, 1, d/2+1, ...);
-    the rotate-half rope wants them back as two contiguous halves.
-    """
-    rest = w.shape[1:]
-    return w.reshape(num_heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)
+    return ModelConfig.from_dict(family.gguf_config(raw, meta))
 
 
 class _Reader(gguf.GGUFReader):
@@ -220,24 +185,20 @@ def load_gguf(
     dev = torch.device(device)
     quantized = quantize is not None or any(t.tensor_type in INT4_TYPES for t in reader.tensors)
     run_dtype = resolve_dtype(dtype, dev, quantized)
-    expected = {gguf_name(n): (n, shape) for n, shape in expected_shapes(cfg).items()}
+    family = family_of(cfg.architecture)
+    expected = {
+        gguf_name(n, family.GGUF_NAMES): (n, shape) for n, shape in expected_shapes(cfg).items()
+    }
     check_names(set(expected), {t.name for t in reader.tensors}, path)
-    permuted = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     weights: dict[str, Weight] = {}
     for tensor in reader.tensors:
         hf_name, shape = expected[tensor.name]
         check_shape(tensor.name, _shape(tensor), shape)
         if tensor.tensor_type in INT4_TYPES:
-            w = unpack(torch.from_numpy(tensor.data), tensor.tensor_type).map_rows(
-                lambda t: t.to(dev)
-            )
+            quant = unpack(torch.from_numpy(tensor.data), tensor.tensor_type)
+            w = family.from_gguf(cfg, hf_name, quant).map_rows(lambda t: t.to(dev))
         else:
-            w = dequantize(tensor).to(device=dev, dtype=run_dtype)
-        if cfg.architecture == "LlamaForCausalLM" and (
-            heads := permuted.get(tensor.name.split(".")[-2])
-        ):
-            unpermute = functools.partial(unpermute_rope_rows, num_heads=heads)
-            w = w.map_rows(unpermute) if isinstance(w, GroupQuant) else unpermute(w)
+            w = family.from_gguf(cfg, hf_name, dequantize(tensor)).to(device=dev, dtype=run_dtype)
         weights[hf_name] = w
     decoder = build_decoder(cfg, weights, select(dev, run_dtype, quantized), quantize_fn, parallel)
     return decoder, tokenizer_from_gguf(reader)

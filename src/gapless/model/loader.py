@@ -16,7 +16,8 @@ from gapless.device import tune_allocator
 from gapless.kernels import Kernels, Linear, resolve_dtype, select
 from gapless.kernels.quant import GroupQuant
 from gapless.model.config import ModelConfig
-from gapless.model.decoder import Decoder, Layer
+from gapless.model.decoder import Decoder
+from gapless.model.families import family_of
 from gapless.model.parallel import TensorParallel, shard_config, shard_weights
 from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE, quantizer
 
@@ -50,45 +51,8 @@ def _open(file: Path) -> Iterator[Any]:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        layer = {
-            "input_layernorm.weight": (h,),
-            "post_attention_layernorm.weight": (h,),
-            "self_attn.q_proj.weight": (q, h),
-            "self_attn.k_proj.weight": (kv, h),
-            "self_attn.v_proj.weight": (kv, h),
-            "self_attn.o_proj.weight": (h, q),
-            "mlp.gate_proj.weight": (inter, h),
-            "mlp.up_proj.weight": (inter, h),
-            "mlp.down_proj.weight": (h, inter),
-        }
-        if cfg.qkv_bias:
-            layer |= {
-                "self_attn.q_proj.bias": (q,),
-                "self_attn.k_proj.bias": (kv,),
-                "self_attn.v_proj.bias": (kv,),
-            }
-        if cfg.o_bias:
-            layer["self_attn.o_proj.bias"] = (h,)
-        if cfg.mlp_bias:
-            layer |= {
-                "mlp.gate_proj.bias": (inter,),
-                "mlp.up_proj.bias": (inter,),
-                "mlp.down_proj.bias": (h,),
-            }
-        if cfg.qk_norm:
-            layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
-        shapes |= {p + k: v for k, v in layer.items()}
-    return shapes
+    """Every tensor of the checkpoint, by Hugging Face name, as its family declares them."""
+    return family_of(cfg.architecture).tensor_shapes(cfg)
 
 
 def check_names(expected: set[str], present: set[str], path: Path) -> None:
@@ -154,6 +118,52 @@ def load_decoder(
 Weight = torch.Tensor | GroupQuant
 
 
+class Weights:
+    """A checkpoint's weights under Hugging Face names, which a family's build takes one by
+    one: as they are (norms), or as linears over the kernels, quantized if asked."""
+
+    def __init__(
+        self,
+        weights: dict[str, Weight],
+        kernels: Kernels,
+        quantize: Callable[[torch.Tensor], GroupQuant] | None,
+    ) -> None:
+        self.weights = weights
+        self.kernels = kernels
+        self.quantize = quantize
+        self.device = kernels.device
+
+    def take(self, name: str) -> torch.Tensor:
+        return self.weights.pop(name)  # type: ignore[return-value]
+
+    def take_optional(self, name: str) -> torch.Tensor | None:
+        return self.weights.pop(name, None)  # type: ignore[return-value]
+
+    def quantized(self, weight: Weight) -> Weight:
+        if self.quantize is not None and isinstance(weight, torch.Tensor):
+            return self.quantize(weight)
+        return weight
+
+    def linear(self, *modules: str) -> Linear:
+        """One linear of the modules' weights (and biases, where they have them) stacked by
+        output rows: q, k and v fused run as one matmul."""
+        weight = self._cat([m + ".weight" for m in modules])
+        bias = (
+            self._cat([m + ".bias" for m in modules])
+            if modules[0] + ".bias" in self.weights
+            else None
+        )
+        return self.kernels.linear(self.quantized(weight), bias)  # type: ignore[arg-type]
+
+    def _cat(self, names: list[str]) -> Weight:
+        parts = [self.weights.pop(n) for n in names]
+        if len(parts) == 1:
+            return parts[0]
+        if isinstance(parts[0], GroupQuant):
+            return GroupQuant.cat(parts)  # type: ignore[arg-type]
+        return torch.cat(parts)  # type: ignore[arg-type]
+
+
 def build_decoder(
     cfg: ModelConfig,
     w: dict[str, Weight],
@@ -169,54 +179,34 @@ def build_decoder(
     first (they are not sharded as they are).
     """
     tune_allocator()
+    family = family_of(cfg.architecture)
+    if hasattr(family, "split_fused"):
+        w = family.split_fused(cfg, w)
     if parallel is not None:
         w = {
             n: t.dequantize(kernels.dtype) if isinstance(t, GroupQuant) else t for n, t in w.items()
         }
         w = shard_weights(cfg, w, parallel.rank, parallel.size)
         cfg = shard_config(cfg, parallel.size)
-
-    def quantized(weight: Weight) -> Weight:
-        if quantize is not None and isinstance(weight, torch.Tensor):
-            return quantize(weight)
-        return weight
-
-    def linear(weight: Weight, bias: torch.Tensor | None = None) -> Linear:
-        return kernels.linear(quantized(weight), bias)
-
-    def cat(*names: str) -> Weight | None:
-        if names[0] not in w:
-            return None
-        parts = [w.pop(n) for n in names]
-        if isinstance(parts[0], GroupQuant):
-            return GroupQuant.cat(parts)
-        return torch.cat(parts)
-
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        layers.append(
-            Layer(
-                input_norm=w.pop(p + "input_layernorm.weight"),
-                qkv=linear(
-                    cat(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-                    cat(attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"),
-                ),
-                o=linear(w.pop(attn + "o_proj.weight"), w.pop(attn + "o_proj.bias", None)),
-                q_norm=w.pop(attn + "q_norm.weight", None),
-                k_norm=w.pop(attn + "k_norm.weight", None),
-                post_norm=w.pop(p + "post_attention_layernorm.weight"),
-                gate=linear(w.pop(mlp + "gate_proj.weight"), w.pop(mlp + "gate_proj.bias", None)),
-                up=linear(w.pop(mlp + "up_proj.weight"), w.pop(mlp + "up_proj.bias", None)),
-                down=linear(w.pop(mlp + "down_proj.weight"), w.pop(mlp + "down_proj.bias", None)),
-            )
-        )
+    weights = Weights(w, kernels, quantize)
+    body = family.build(cfg, weights)
     embed = w.pop("model.embed_tokens.weight")
     # A tied lm_head that is quantized gets its own quantized copy of the embeddings.
     lm_head = kernels.lm_head(
-        quantized(embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
+        weights.quantized(embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
     )
     if isinstance(embed, GroupQuant):
         embed = embed.dequantize(kernels.dtype)
-    return Decoder(cfg, embed, layers, w.pop("model.norm.weight"), lm_head, kernels, parallel)
+    if w:
+        raise WeightError(f"{family.__name__} left tensor {next(iter(w))} unused")
+    return Decoder(
+        cfg,
+        embed,
+        body.layers,
+        body.final_norm,
+        lm_head,
+        kernels,
+        parallel,
+        body.embed_scale,
+        body.logit_softcap,
+    )

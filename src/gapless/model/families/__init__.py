@@ -1,0 +1,51 @@
+"""Model families, one module each (as mlx-lm keeps one file per architecture).
+
+A family module declares, in plain torch over the kernels seam:
+- ARCHITECTURES: the config.json `architectures` names it reads;
+- GGUF_ARCHITECTURES: llama.cpp's `general.architecture` names -> the Hugging Face one;
+- config(raw) -> its ModelConfig subclass, from config.json's keys;
+- gguf_config(raw, meta) -> config.json's keys of a GGUF file: raw holds those of the
+  metadata every llama.cpp file writes alike (model/gguf.py), meta(key, default) reads its own;
+- tensor_shapes(cfg) -> {Hugging Face tensor name: shape}: every tensor a checkpoint holds;
+- GGUF_NAMES: {Hugging Face module: llama.cpp's tensor name} (common.GGUF_NAMES, and its own);
+- from_gguf(cfg, name, w) -> w: a GGUF tensor, under its Hugging Face name, as the checkpoint
+  holds it (llama.cpp's converters permute rows or shift norms for some families);
+- build(cfg, weights) -> decoder.Body: its layers and final norm, from the checked weights
+  (loader.Weights hands out norms and fused linears); a layer's `forward(x, step, kv_cache)`
+  runs it over a step's batch (decoder.Step: rotations, KV write and attention, all-reduce).
+
+Optionally, split_fused(cfg, weights) -> weights: a checkpoint's fused projections split into
+the q/k/v and gate/up tensors that tensor parallelism shards (parallel.py).
+
+The engine, scheduler, KV cache and server do not change with a family. Adding one is a
+module here, listed in FAMILIES, and its parity test against transformers.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from gapless.model.config import ConfigError
+from gapless.model.families import llama
+
+FAMILIES: tuple[ModuleType, ...] = (llama,)
+
+
+def family_of(architecture: str | None) -> ModuleType:
+    """The family that reads config.json's architecture."""
+    for family in FAMILIES:
+        if architecture in family.ARCHITECTURES:
+            return family
+    names = [name for family in FAMILIES for name in family.ARCHITECTURES]
+    raise ConfigError(f"unsupported architecture {architecture!r}; supported: {', '.join(names)}")
+
+
+def gguf_family(architecture: str) -> tuple[ModuleType, str]:
+    """The family of a GGUF file's general.architecture, and the Hugging Face architecture."""
+    for family in FAMILIES:
+        if architecture in family.GGUF_ARCHITECTURES:
+            return family, family.GGUF_ARCHITECTURES[architecture]
+    names = [name for family in FAMILIES for name in family.GGUF_ARCHITECTURES]
+    raise ValueError(
+        f"unsupported GGUF architecture {architecture!r}; supported: {', '.join(names)}"
+    )

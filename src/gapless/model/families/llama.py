@@ -1,0 +1,166 @@
+"""Llama, Mistral, Qwen2 and Qwen3: one pre-norm decoder that differs by flags.
+
+Each layer: RMSNorm, q/k/v projections (biased in Qwen2), per-head q/k RMSNorm (Qwen3),
+rotary embedding (default, linear or llama3), attention (in a sliding window on Mistral's and
+on the layers a config's `layer_types` says), o projection; RMSNorm, SwiGLU MLP.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from gapless.kernels import Linear
+from gapless.kernels.plans import KVCache
+from gapless.kernels.quant import GroupQuant
+from gapless.model.config import ModelConfig, base_fields, check_activation
+from gapless.model.decoder import Body, RMSNorm, Rope, Step, apply_rope, rms_norm, rope_inv_freq
+from gapless.model.families import common
+from gapless.model.families.common import Meta, Shapes
+
+if TYPE_CHECKING:
+    from gapless.model.loader import Weights
+
+# architecture -> (q/k/v bias by default, per-head q/k RMSNorm, honours sliding_window by default)
+ARCHITECTURES: dict[str, tuple[bool, bool, bool]] = {
+    "LlamaForCausalLM": (False, False, False),
+    "MistralForCausalLM": (False, False, True),
+    "Qwen2ForCausalLM": (True, False, False),
+    "Qwen3ForCausalLM": (False, True, False),
+}
+# general.architecture -> the Hugging Face architecture with the same decoder; Mistral's GGUF
+# files are `llama`.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+GGUF_NAMES = common.GGUF_NAMES
+
+
+@dataclass(frozen=True)
+class LlamaConfig(ModelConfig):
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+
+def config(raw: dict) -> LlamaConfig:
+    arch = raw["architectures"][0]
+    default_bias, qk_norm, default_sliding = ARCHITECTURES[arch]
+    check_activation(raw, "hidden_act", "silu")
+    num_layers = raw["num_hidden_layers"]
+    window = raw.get("sliding_window")
+    uses_window = raw.get("use_sliding_window", default_sliding) and window
+    layer_types = raw.get("layer_types")
+    if layer_types and uses_window:
+        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+    else:
+        windows = tuple([window if uses_window else None] * num_layers)
+    bias = raw.get("attention_bias", default_bias)
+    return LlamaConfig(
+        **base_fields(raw, windows),
+        qkv_bias=bias,
+        # Llama's attention_bias also covers o_proj; Qwen2's q/k/v bias does not.
+        o_bias=bias and arch != "Qwen2ForCausalLM",
+        mlp_bias=raw.get("mlp_bias", False),
+        qk_norm=qk_norm,
+    )
+
+
+def gguf_config(raw: dict, meta: Meta) -> dict:
+    """config.json's keys of a GGUF file: the keys every llama.cpp file shares say it all."""
+    return raw
+
+
+def tensor_shapes(cfg: LlamaConfig) -> Shapes:
+    layer = common.norm_shapes(cfg, "input_layernorm", "post_attention_layernorm")
+    layer |= common.attention_shapes(cfg, cfg.qkv_bias, cfg.o_bias, cfg.qk_norm)
+    layer |= common.mlp_shapes(cfg, cfg.mlp_bias)
+    return common.model_shapes(cfg, layer)
+
+
+def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of q/k rows for its rope layout (`llama` files only).
+
+    Per head, the converter interleaves the two rotated halves (rows 0, d/2, 1, d/2+1, ...);
+    the rotate-half rope wants them back as two contiguous halves.
+    """
+    rest = w.shape[1:]
+    return w.reshape(num_heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def from_gguf(
+    cfg: LlamaConfig, name: str, w: torch.Tensor | GroupQuant
+) -> torch.Tensor | GroupQuant:
+    """A GGUF tensor (under its Hugging Face name) as the checkpoint holds it."""
+    heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}.get(name.split(".")[-2])
+    if cfg.architecture != "LlamaForCausalLM" or heads is None:
+        return w
+    unpermute = functools.partial(unpermute_rope_rows, num_heads=heads)
+    return w.map_rows(unpermute) if isinstance(w, GroupQuant) else unpermute(w)
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: Linear  # q, k and v projections fused: one matmul instead of three
+    o: Linear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate: Linear
+    up: Linear
+    down: Linear
+    rope: Rope
+    window: int | None
+    cfg: LlamaConfig
+
+    def forward(self, x: torch.Tensor, step: Step, kv_cache: KVCache) -> torch.Tensor:
+        cfg = self.cfg
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        qkv = self.qkv(h)
+        # q and k heads side by side, so one rotation covers both.
+        qk_size = (heads + kv_heads) * head_dim
+        qk = qkv[:, :qk_size].view(-1, heads + kv_heads, head_dim)
+        v = qkv[:, qk_size:].view(-1, kv_heads, head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(qk[:, :heads], self.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(qk[:, heads:], self.k_norm, cfg.rms_norm_eps)
+            qk = torch.cat((q, k), dim=1)
+        qk = apply_rope(qk, *step.rotation(self.rope))
+        attn = step.attend(qk[:, :heads], qk[:, heads:], v, kv_cache, self.window)
+        x = x + step.all_reduce(self.o(attn))
+        h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        return x + step.all_reduce(self.down(self.up.times(h, self.gate.silu(h))))
+
+
+def build(cfg: LlamaConfig, w: Weights) -> Body:
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling)
+    rope = Rope(inv_freq.to(w.device))
+    layers = []
+    for i, window in enumerate(cfg.layer_windows):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        layers.append(
+            Layer(
+                input_norm=w.take(p + "input_layernorm.weight"),
+                qkv=w.linear(attn + "q_proj", attn + "k_proj", attn + "v_proj"),
+                o=w.linear(attn + "o_proj"),
+                q_norm=w.take_optional(attn + "q_norm.weight"),
+                k_norm=w.take_optional(attn + "k_norm.weight"),
+                post_norm=w.take(p + "post_attention_layernorm.weight"),
+                gate=w.linear(mlp + "gate_proj"),
+                up=w.linear(mlp + "up_proj"),
+                down=w.linear(mlp + "down_proj"),
+                rope=rope,
+                window=window,
+                cfg=cfg,
+            )
+        )
+    return Body(layers, RMSNorm(w.take("model.norm.weight"), cfg.rms_norm_eps))
