@@ -18,27 +18,14 @@ import jsonschema
 import ollama
 import pytest
 from server_fixture import MODEL, RunningServer, running_server
+from test_responses_api import PERSON, WEATHER
 from test_tools_api import LLAMA3_TEMPLATE, with_template
 
 from gapless.server.ollama import takes_tools
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"temperature": 0, "num_predict": 80}
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 10},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-CITY = {
-    "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Rome"]}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
+CITY = WEATHER["parameters"]
 # In the order (and without the keys) the ollama client's Tool model sends.
 TOOLS = [
     {

@@ -31,8 +31,7 @@ from gapless.server.endpoint import (
     sse,
 )
 from gapless.server.protocol import APIError, bool_field, int_field, invalid
-from gapless.server.structured_output import checked_schema_grammar
-from gapless.server.tool_calls import ToolCall, ToolCallStream, ToolRequest
+from gapless.server.tool_calls import ToolCall, ToolRequest
 
 # Anthropic's error types where ours differ in name.
 _ERROR_TYPES = {"server_error": "api_error"}
@@ -189,15 +188,8 @@ def parse_messages(
         max_tokens=admission.output_budget(requested, len(prompt_ids)),
         stop=protocol.stop_field(body, "stop_sequences"),
     )
-    parser = None
-    if tools is not None and tools.forced:
-        # The call is generated under its schema's grammar, so it is always valid.
-        schema = tool_calls.forced_calls_schema(tools)
-        fields["grammar"] = checked_schema_grammar(schema, grammars, "tools")
-    elif tools is not None and tools.tools:
-        parser = tool_calls.choose_parser(admission.tokenizer.chat_template, configured_parser)
-        # Tool-call markers such as [TOOL_CALLS] are often special tokens: keep their text.
-        fields["skip_special_tokens"] = False
+    chat_template = admission.tokenizer.chat_template
+    parser = tool_calls.apply_tools(tools, fields, grammars, chat_template, configured_parser)
     stream = bool(bool_field(body, "stream"))
     return ParsedMessages(prompt_ids, SamplingParams(**fields), stream, tools, parser)
 
@@ -232,18 +224,9 @@ class _MessageRenderer(Renderer):
         self.id = f"{ID_PREFIX}{request_id}"
         self.model = state.settings.served_model_name
         self.input_tokens = len(parsed.prompt_ids)
-        tools = parsed.tools
-        self.tool_stream = None
-        if tools is not None and (tools.forced or parsed.tool_parser):
-            self.tool_stream = ToolCallStream(parsed.tool_parser, tools.forced, tools.parallel)
-
-    def text_of(self, event: TokenEvent) -> str:
-        """The event's text that is content: a tool call's text is held back."""
-        return self.tool_stream.feed(event.text) if self.tool_stream else event.text
-
-    def rest(self) -> tuple[str, list[ToolCall]]:
-        """At the end: held text that was not a call after all, and the calls."""
-        return self.tool_stream.finish() if self.tool_stream else ("", [])
+        # feed(): the text that is content (a call's is held back); finish(): held text
+        # that was not a call after all, and the calls.
+        self.tool_stream = tool_calls.output_stream(parsed.tools, parsed.tool_parser)
 
     def error_body(self, error: APIError) -> dict[str, Any]:
         return error_body(error)
@@ -282,10 +265,10 @@ class _MessageRenderer(Renderer):
         return [self.event({"type": "content_block_delta", "index": 0, "delta": delta})]
 
     def token(self, event: TokenEvent) -> list[bytes]:
-        return self.text_delta(self.text_of(event))
+        return self.text_delta(self.tool_stream.feed(event.text))
 
     def finished(self, event: FinishedEvent) -> list[bytes]:
-        rest, calls = self.rest()
+        rest, calls = self.tool_stream.finish()
         pieces = [*self.text_delta(rest), self.event({"type": "content_block_stop", "index": 0})]
         # Each call is one tool_use block after the text, its input sent whole.
         for index, call in enumerate(calls, 1):
@@ -307,10 +290,10 @@ class _MessageRenderer(Renderer):
         return [sse(error_body(error), event="error")]
 
     def absorb(self, event: TokenEvent) -> None:
-        self.text.append(self.text_of(event))
+        self.text.append(self.tool_stream.feed(event.text))
 
     def response(self, finished: FinishedEvent) -> dict[str, Any]:
-        rest, calls = self.rest()
+        rest, calls = self.tool_stream.finish()
         text = "".join(self.text) + rest
         content = [{"type": "text", "text": text}] if text or not calls else []
         content += [_tool_use(call) for call in calls]

@@ -42,7 +42,7 @@ from gapless.server.endpoint import (
 )
 from gapless.server.protocol import APIError, bool_field, invalid, str_field
 from gapless.server.structured_output import ollama_format_grammar
-from gapless.server.tool_calls import ToolCall, ToolCallStream, ToolRequest
+from gapless.server.tool_calls import ToolCall, ToolRequest
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # options name -> SamplingParams field
@@ -140,11 +140,8 @@ def parse_chat(
     offered = tools.tools if tools is not None and tools.tools else None
     prompt_ids = admission.check_prompt(admission.encode_chat(_messages(body), tools=offered))
     fields = _sampling(body, admission, grammars, len(prompt_ids))
-    parser = None
-    if offered:
-        parser = tool_calls.choose_parser(admission.tokenizer.chat_template, configured_parser)
-        # Tool-call markers such as [TOOL_CALLS] are often special tokens: keep their text.
-        fields["skip_special_tokens"] = False
+    chat_template = admission.tokenizer.chat_template
+    parser = tool_calls.apply_tools(tools, fields, grammars, chat_template, configured_parser)
     return ParsedOllama(prompt_ids, SamplingParams(**fields), _stream(body), parser)
 
 
@@ -195,18 +192,12 @@ class _OllamaRenderer(Renderer):
         super().__init__()
         self.model = model
         self.chat = chat
-        self.tool_stream = ToolCallStream(parsed.tool_parser) if parsed.tool_parser else None
+        # feed(): the text that is content (a call's is held back); finish(): held text
+        # that was not a call after all, and the calls.
+        self.tool_stream = tool_calls.output_stream(None, parsed.tool_parser)
 
     def error_body(self, error: APIError) -> dict[str, Any]:
         return error_body(error)
-
-    def text_of(self, event: TokenEvent) -> str:
-        """The event's text that is content: a tool call's text is held back."""
-        return self.tool_stream.feed(event.text) if self.tool_stream else event.text
-
-    def rest(self) -> tuple[str, list[ToolCall]]:
-        """At the end: held text that was not a call after all, and the calls."""
-        return self.tool_stream.finish() if self.tool_stream else ("", [])
 
     def line(self, text: str, done: bool, calls: list[ToolCall] | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "created_at": _created_at()}
@@ -235,12 +226,12 @@ class _OllamaRenderer(Renderer):
         }
 
     def token(self, event: TokenEvent) -> list[bytes]:
-        text = self.text_of(event)
+        text = self.tool_stream.feed(event.text)
         return [ndjson(self.line(text, done=False))] if text else []
 
     def finished(self, event: FinishedEvent) -> list[bytes]:
         # As Ollama streams them: the calls in a line of their own before the last.
-        rest, calls = self.rest()
+        rest, calls = self.tool_stream.finish()
         pieces = [ndjson(self.line(rest, False, calls))] if rest or calls else []
         return [*pieces, ndjson(self.last("", event, []))]
 
@@ -248,10 +239,10 @@ class _OllamaRenderer(Renderer):
         return [ndjson(error_body(error))]
 
     def absorb(self, event: TokenEvent) -> None:
-        self.text.append(self.text_of(event))
+        self.text.append(self.tool_stream.feed(event.text))
 
     def response(self, finished: FinishedEvent) -> dict[str, Any]:
-        rest, calls = self.rest()
+        rest, calls = self.tool_stream.finish()
         return self.last("".join(self.text) + rest, finished, calls)
 
 

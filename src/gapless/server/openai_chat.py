@@ -28,7 +28,6 @@ from gapless.server.openai_common import (
     sampling_fields,
 )
 from gapless.server.protocol import bool_field, int_field, invalid, str_field
-from gapless.server.structured_output import checked_schema_grammar
 from gapless.server.tool_calls import ToolCallStream, ToolRequest
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -98,18 +97,8 @@ def parse_chat(
     tools = tool_calls.parse_tools(body)
     prompt_ids = admission.check_prompt(chat_prompt(body, admission, tools))
     fields, stream, include_usage = sampling_fields(body, admission, len(prompt_ids), grammars)
-    parser = None
-    if tools is not None and tools.forced:
-        if fields["grammar"] is not None:
-            raise invalid(
-                "a forced tool_choice cannot be combined with an output format", "tool_choice"
-            )
-        schema = tool_calls.forced_calls_schema(tools)
-        fields["grammar"] = checked_schema_grammar(schema, grammars, "tools")
-    elif tools is not None and tools.tools:
-        parser = tool_calls.choose_parser(admission.tokenizer.chat_template, tool_parser)
-        # Tool-call markers such as [TOOL_CALLS] are often special tokens: keep their text.
-        fields.setdefault("skip_special_tokens", False)
+    chat_template = admission.tokenizer.chat_template
+    parser = tool_calls.apply_tools(tools, fields, grammars, chat_template, tool_parser)
     want_logprobs = bool(bool_field(body, "logprobs"))
     top = int_field(body, "top_logprobs")
     if top and not want_logprobs:

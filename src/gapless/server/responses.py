@@ -44,8 +44,8 @@ from gapless.server.protocol import (
     str_field,
 )
 from gapless.server.response_store import StoredResponse
-from gapless.server.structured_output import checked_schema_grammar, text_format_grammar
-from gapless.server.tool_calls import ToolCall, ToolCallStream, ToolRequest
+from gapless.server.structured_output import text_format_grammar
+from gapless.server.tool_calls import ToolCall, ToolRequest
 
 # A response's id is this and the request's id.
 ID_PREFIX = "resp_"
@@ -241,18 +241,8 @@ def parse_request(
     text = dict_field(body, "text") or {}
     text_format = text.get("format") or {"type": "text"}
     fields["grammar"] = text_format_grammar(text_format, grammars)
-    parser = None
-    if tools is not None and tools.forced:
-        if fields["grammar"] is not None:
-            raise invalid(
-                "a forced tool_choice cannot be combined with a text.format", "tool_choice"
-            )
-        schema = tool_calls.forced_calls_schema(tools)
-        fields["grammar"] = checked_schema_grammar(schema, grammars, "tools")
-    elif offered:
-        parser = tool_calls.choose_parser(admission.tokenizer.chat_template, configured_parser)
-        # Tool-call markers such as [TOOL_CALLS] are often special tokens: keep their text.
-        fields["skip_special_tokens"] = False
+    chat_template = admission.tokenizer.chat_template
+    parser = tool_calls.apply_tools(tools, fields, grammars, chat_template, configured_parser)
     params = SamplingParams(**fields)
     store = bool_field(body, "store") is not False
     settings = {
@@ -322,21 +312,12 @@ class _ResponseRenderer(Renderer):
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.sequence_number = 0
         self.message_open = False  # streaming: its output_item.added has been sent
-        tools = parsed.tools
-        self.tool_stream = None
-        if tools is not None and (tools.forced or parsed.tool_parser):
-            self.tool_stream = ToolCallStream(parsed.tool_parser, tools.forced, tools.parallel)
+        # feed(): the text that is content (a call's is held back); finish(): held text
+        # that was not a call after all, and the calls.
+        self.tool_stream = tool_calls.output_stream(parsed.tools, parsed.tool_parser)
 
     def error_body(self, error: APIError) -> dict[str, Any]:
         return error_body(error)
-
-    def text_of(self, event: TokenEvent) -> str:
-        """The event's text that is content: a tool call's text is held back."""
-        return self.tool_stream.feed(event.text) if self.tool_stream else event.text
-
-    def rest(self) -> tuple[str, list[ToolCall]]:
-        """At the end: held text that was not a call after all, and the calls."""
-        return self.tool_stream.finish() if self.tool_stream else ("", [])
 
     def envelope(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -425,10 +406,10 @@ class _ResponseRenderer(Renderer):
         return [*opened, delta]
 
     def token(self, event: TokenEvent) -> list[bytes]:
-        return self.text_delta(self.text_of(event))
+        return self.text_delta(self.tool_stream.feed(event.text))
 
     def finished(self, event: FinishedEvent) -> list[bytes]:
-        rest, calls = self.rest()
+        rest, calls = self.tool_stream.finish()
         pieces = self.text_delta(rest)
         text = "".join(self.text)
         response = self.whole(event, text, calls)
@@ -465,10 +446,10 @@ class _ResponseRenderer(Renderer):
 
     # Not streaming.
     def absorb(self, event: TokenEvent) -> None:
-        self.text.append(self.text_of(event))
+        self.text.append(self.tool_stream.feed(event.text))
 
     def response(self, finished: FinishedEvent) -> dict[str, Any]:
-        rest, calls = self.rest()
+        rest, calls = self.tool_stream.finish()
         return self.whole(finished, "".join(self.text) + rest, calls)
 
 

@@ -25,7 +25,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from gapless.engine.structured import GrammarCompiler
 from gapless.server.protocol import invalid
+from gapless.server.structured_output import checked_schema_grammar
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -148,6 +150,33 @@ def forced_calls_schema(request: ToolRequest) -> dict[str, Any]:
     if one_call:
         schema["maxItems"] = 1
     return schema
+
+
+def apply_tools(
+    tools: ToolRequest | None,
+    fields: dict[str, Any],
+    grammars: GrammarCompiler,
+    chat_template: str | None,
+    configured_parser: str | None,
+) -> str | None:
+    """A request's SamplingParams `fields` for its tools, in every dialect: a forced call is
+    generated under its schema's grammar (so it is always valid; never beside an output
+    format); a call the model may choose to write is read by the parser returned, and
+    special tokens are kept, since markers such as [TOOL_CALLS] often are ones."""
+    if tools is None:
+        return None
+    if tools.forced:
+        if fields.get("grammar") is not None:
+            raise invalid(
+                "a forced tool_choice cannot be combined with an output format", "tool_choice"
+            )
+        schema = forced_calls_schema(tools)
+        fields["grammar"] = checked_schema_grammar(schema, grammars, "tools")
+        return None
+    if not tools.tools:
+        return None
+    fields.setdefault("skip_special_tokens", False)
+    return choose_parser(chat_template, configured_parser)
 
 
 # -- parsing the output --------------------------------------------------------------------
@@ -301,6 +330,14 @@ class ToolCallStream:
         if calls is None:
             return held, []  # not a call after all: the model's text, unchanged
         return "", calls if self._parallel else calls[:1]
+
+
+def output_stream(tools: ToolRequest | None, parser: str | None) -> ToolCallStream:
+    """One output's split into content and calls: a forced call is the whole output, `parser`
+    (apply_tools') reads the calls the model chose to write, and with neither (no tools, or
+    tool_choice none) all of it is content."""
+    forced = tools is not None and tools.forced
+    return ToolCallStream(parser, forced, tools.parallel if tools is not None else True)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
