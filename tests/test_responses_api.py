@@ -151,6 +151,43 @@ def test_a_response_that_ends_by_itself_is_completed(oai: openai.OpenAI) -> None
     assert isinstance(json.loads(anything.output_text), dict)
 
 
+def test_logprobs_are_the_chat_endpoints(oai: openai.OpenAI, client: httpx.Client) -> None:
+    kwargs: dict[str, Any] = {
+        "input": "Hello there",
+        "max_output_tokens": 6,
+        "top_logprobs": 2,
+        "include": ["message.output_text.logprobs"],
+        **GREEDY,
+    }
+    response = oai.responses.create(**kwargs)
+    chat = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "Hello there"}],
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    ).json()["choices"][0]["logprobs"]["content"]
+    got = [lp.model_dump() for lp in response.output[0].content[0].logprobs]
+    assert len(got) == 6 and all(len(lp["top_logprobs"]) == 2 for lp in got)
+    assert got == chat
+    events = list(oai.responses.create(stream=True, **kwargs))
+    streamed = [
+        lp.model_dump()
+        for e in events
+        if e.type == "response.output_text.delta"
+        for lp in e.logprobs
+    ]
+    assert [(lp["token"], lp["logprob"]) for lp in streamed] == [
+        (lp["token"], lp["logprob"]) for lp in chat
+    ]
+    # Without `include`, none.
+    plain = oai.responses.create(**{**kwargs, "include": []})
+    assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs == 2
+
+
 # -- streaming ------------------------------------------------------------------------------
 
 
@@ -489,6 +526,7 @@ TEXT = {"model": MODEL, "input": "hi"}
         ({**TEXT, "max_output_tokens": 10**6}, "max_output_tokens"),
         ({**TEXT, "temperature": "hot"}, "temperature"),
         ({**TEXT, "top_p": 7}, "top_p"),
+        ({**TEXT, "top_logprobs": 21}, "top_logprobs"),
         ({**TEXT, "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({**TEXT, "tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
         ({**TEXT, "tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice"),

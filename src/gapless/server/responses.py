@@ -33,6 +33,7 @@ from gapless.server.endpoint import (
     read_json,
     sse,
 )
+from gapless.server.openai_chat import chat_logprobs
 from gapless.server.openai_common import check_model, error_body
 from gapless.server.protocol import (
     APIError,
@@ -52,6 +53,8 @@ ID_PREFIX = "resp_"
 # The request's names for the engine's fields.
 FIELD_NAMES = {"prompt": "input", "max_tokens": "max_output_tokens"}
 _ROLES = ("user", "system", "developer", "assistant")
+# What `include` names to have the output text's logprobs (top_logprobs says how many more).
+LOGPROBS = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text")
 
 
@@ -243,6 +246,10 @@ def parse_request(
     fields["grammar"] = text_format_grammar(text_format, grammars)
     chat_template = admission.tokenizer.chat_template
     parser = tool_calls.apply_tools(tools, fields, grammars, chat_template, configured_parser)
+    top = int_field(body, "top_logprobs")
+    if top is not None and not 0 <= top <= 20:
+        raise invalid(f"top_logprobs must be in [0, 20], got {top}", "top_logprobs")
+    fields["logprobs"] = (top or 0) if LOGPROBS in (list_field(body, "include") or []) else None
     params = SamplingParams(**fields)
     store = bool_field(body, "store") is not False
     settings = {
@@ -256,6 +263,7 @@ def parse_request(
         "text": {"format": text_format},
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": flat_tools,
+        "top_logprobs": top,
         "top_p": params.top_p,
         "truncation": "disabled",
     }
@@ -286,8 +294,8 @@ def _usage(finished: FinishedEvent) -> dict[str, Any]:
     }
 
 
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _function_call(call: ToolCall, status: str = "completed") -> dict[str, Any]:
@@ -312,6 +320,9 @@ class _ResponseRenderer(Renderer):
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.sequence_number = 0
         self.message_open = False  # streaming: its output_item.added has been sent
+        self.tokenizer = state.engine.tokenizer
+        self.logprobs: list[dict[str, Any]] = []  # of every token so far, if requested
+        self.logprobs_sent = 0  # streaming: how many of them deltas carried
         # feed(): the text that is content (a call's is held back); finish(): held text
         # that was not a call after all, and the calls.
         self.tool_stream = tool_calls.output_stream(parsed.tools, parsed.tool_parser)
@@ -339,8 +350,13 @@ class _ResponseRenderer(Renderer):
             "type": "message",
             "role": "assistant",
             "status": status,
-            "content": [_output_text(text)] if status != "in_progress" else [],
+            "content": [_output_text(text, self.logprobs)] if status != "in_progress" else [],
         }
+
+    def take_logprobs(self, event: TokenEvent) -> None:
+        """The event's tokens' logprobs, as the chat endpoint gives them, if requested."""
+        if self.parsed.params.logprobs is not None:
+            self.logprobs += chat_logprobs(self.tokenizer, event.logprobs or [])["content"]
 
     def whole(self, finished: FinishedEvent, text: str, calls: list[ToolCall]) -> dict[str, Any]:
         """The finished response, stored if the request asked for that."""
@@ -395,17 +411,21 @@ class _ResponseRenderer(Renderer):
             return []
         self.text.append(text)
         opened = self.open_message()  # first: the events are numbered as they are made
+        # Held text's tokens' logprobs come with the delta that brings its text.
+        logprobs = self.logprobs[self.logprobs_sent :]
+        self.logprobs_sent = len(self.logprobs)
         delta = self.event(
             "response.output_text.delta",
             item_id=self.message_id,
             output_index=0,
             content_index=0,
             delta=text,
-            logprobs=[],
+            logprobs=logprobs,
         )
         return [*opened, delta]
 
     def token(self, event: TokenEvent) -> list[bytes]:
+        self.take_logprobs(event)
         return self.text_delta(self.tool_stream.feed(event.text))
 
     def finished(self, event: FinishedEvent) -> list[bytes]:
@@ -418,8 +438,8 @@ class _ResponseRenderer(Renderer):
             message = response["output"][0]
             pieces += [
                 *self.open_message(),
-                self.event("response.output_text.done", **where, text=text, logprobs=[]),
-                self.event("response.content_part.done", **where, part=_output_text(text)),
+                self.event("response.output_text.done", **where, text=text, logprobs=self.logprobs),
+                self.event("response.content_part.done", **where, part=message["content"][0]),
                 self.event("response.output_item.done", output_index=0, item=message),
             ]
         first = 1 if text or not calls else 0
@@ -446,6 +466,7 @@ class _ResponseRenderer(Renderer):
 
     # Not streaming.
     def absorb(self, event: TokenEvent) -> None:
+        self.take_logprobs(event)
         self.text.append(self.tool_stream.feed(event.text))
 
     def response(self, finished: FinishedEvent) -> dict[str, Any]:
