@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-# Only for engine/engine.py's import of it, until that names gapless.device; nothing else here.
 from gapless.kernels import paged
 from gapless.kernels.linear import (
     Int4Linear,

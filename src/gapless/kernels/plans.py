@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -51,8 +51,8 @@ class PagedPlan:
     """
 
     rows: slice
-    key_blocks: torch.Tensor
-    num_keys: torch.Tensor
+    key_blocks: Tensor
+    num_keys: Tensor
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, window: int | None) -> Tensor:
         return paged.paged_attention(q[self.rows], *cache, self.key_blocks, self.num_keys, window)
@@ -75,8 +75,8 @@ class GatheredPlan:
 
     rows: slice
     num_queries: int  # per sequence, n
-    key_blocks: torch.Tensor
-    masks: dict[int | None, torch.Tensor | None]
+    key_blocks: Tensor
+    masks: dict[int | None, Tensor | None]
     fold_heads: bool = False
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, window: int | None) -> Tensor:
@@ -108,9 +108,9 @@ class InPlacePlan:
         return attention.in_place(q[rows], k[rows], v[rows], *cache, self.runs)
 
 
-@dataclass(frozen=True)
-class Span:
-    """One sequence's new tokens in a step's flat batch."""
+class Span(NamedTuple):
+    """One sequence's new tokens in a step's flat batch (a tuple: one is made per sequence
+    per step)."""
 
     row: int  # the row of its first new token
     start: int  # how many tokens it has computed: the position of its first new token
@@ -153,8 +153,13 @@ class Planner:
     def plan(self, spans: list[Span]) -> list[AttentionPlan]:
         """The batch's plans, one per part, covering every span's rows: every prompt chunk its
         own, the decodes (spans of one token, which must be adjacent rows) one together."""
-        plans: list[AttentionPlan] = [self._chunk(s) for s in spans if s.num_tokens > 1]
-        decodes = [s for s in spans if s.num_tokens == 1]
+        plans: list[AttentionPlan] = []
+        decodes: list[Span] = []
+        for span in spans:
+            if span.num_tokens == 1:
+                decodes.append(span)
+            else:
+                plans.append(self._chunk(span))
         if not decodes:
             return plans
         rows = slice(decodes[0].row, decodes[-1].row + 1)
@@ -184,9 +189,7 @@ class Planner:
         key_start = self._key_start(span.start)
         return key_start, span.block_table[key_start // self.layout.block_size :]
 
-    def _masks(
-        self, query_pos: torch.Tensor, key_pos: torch.Tensor, valid: torch.Tensor
-    ) -> dict[int | None, torch.Tensor]:
+    def _masks(self, query_pos: Tensor, key_pos: Tensor, valid: Tensor) -> dict[int | None, Tensor]:
         """Per window: 0 where a query may attend a key (causal, in window, not padding),
         -inf elsewhere."""
         delta = query_pos[..., :, None] - key_pos[..., None, :]
@@ -239,18 +242,19 @@ class Planner:
     def _decodes(self, rows: slice, decodes: list[Span]) -> AttentionPlan:
         """The decodes' plan, all in one."""
         dev, bs = self.layout.device, self.layout.block_size
-        keys = [(*self._blocks(s), s.start) for s in decodes]  # (first key pos, blocks, query)
-        width = max(len(blocks) for _, blocks, _ in keys)
+        queries = [s.start for s in decodes]  # each decode's position
+        key_starts = [self._key_start(q) for q in queries]
+        tables = [s.block_table[k0 // bs :] for s, k0 in zip(decodes, key_starts, strict=True)]
+        width = max(map(len, tables))
         # Padding points at block 0 and is never attended: masks drop it, and positions past
         # the query, or on our kernel num_keys stops before it.
-        padded = [blocks + [0] * (width - len(blocks)) for _, blocks, _ in keys]
-        key_blocks = torch.tensor(padded, device=dev)
+        key_blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
         if self._decodes_paged():
-            num_keys = torch.tensor([q - k0 + 1 for k0, _, q in keys], device=dev)
-            return PagedPlan(rows, key_blocks, num_keys)
+            keys = [q - k0 + 1 for k0, q in zip(key_starts, queries, strict=True)]
+            return PagedPlan(rows, key_blocks, torch.tensor(keys, device=dev))
         offsets = torch.arange(width * bs, device=dev)
-        k_pos = torch.tensor([k0 for k0, _, _ in keys], device=dev)[:, None] + offsets[None, :]
-        q_pos = torch.tensor([q for _, _, q in keys], device=dev)[:, None]
+        k_pos = torch.tensor(key_starts, device=dev)[:, None] + offsets[None, :]
+        q_pos = torch.tensor(queries, device=dev)[:, None]
         # [B, 1, 1, L]: one query per sequence, so a folded plan's rows share it by broadcast.
         masks = {w: m[:, None] for w, m in self._masks(q_pos, k_pos, torch.tensor(True)).items()}
         return GatheredPlan(rows, 1, key_blocks, masks, True)
