@@ -512,7 +512,7 @@ TEXT = {"model": MODEL, "input": "hi"}
             {**TEXT, "input": [{"role": "user", "content": [{"type": "input_image"}]}]},
             "input[0].content[0]",
         ),
-        ({**TEXT, "input": [{"role": "wizard", "content": "x"}]}, "input[0]"),
+        ({**TEXT, "input": [{"role": "wizard", "content": "x"}]}, "input[0].role"),
         (
             {
                 **TEXT,

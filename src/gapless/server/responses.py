@@ -109,7 +109,9 @@ def _item(item: Any, param: str) -> dict[str, Any]:
     if kind == "message":
         role = item.get("role")
         if role not in _ROLES:
-            raise invalid(f"unknown role {role!r}; expected one of {', '.join(_ROLES)}", param)
+            raise invalid(
+                f"unknown role {role!r}; expected one of {', '.join(_ROLES)}", f"{param}.role"
+            )
         content = _text(item.get("content"), f"{param}.content")
         return {"type": "message", "role": role, "content": content}
     if kind == "function_call":
