@@ -17,7 +17,7 @@ import tokenizers
 
 from gapless.model.demo import build_bpe_tokenizer, stdlib_sources, write_tokenizer_files
 
-ARCHS = ("llama", "llama_linear", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "llama_linear", "qwen2", "qwen3", "mistral", "gemma3")
 
 TEST_VOCAB_SIZE = 512
 
@@ -71,6 +71,22 @@ _ARCH_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", {"head_dim": 32, "tie_word_embeddings": False}),
     "mistral": ("MistralForCausalLM", "MistralConfig", {"sliding_window": 24}),
+    # 7 layers: local ones (window 24, shorter than the test prompts) on both sides of a
+    # global one (the 6th); each kind its own rope, the global one scaled as Gemma 3 4B's is.
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        {
+            "num_hidden_layers": 7,
+            "head_dim": 32,
+            "sliding_window": 24,
+            "query_pre_attn_scalar": 48,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
 }
 
 
@@ -91,8 +107,9 @@ def write_test_tokenizer(out_dir: Path, **kwargs: Any) -> Path:
 
 
 def _perturb_constant_params(model: Any, seed: int) -> None:
-    # transformers starts norms at 1 and biases at 0; a runtime that skipped them, or loaded
-    # q_norm into k_norm, would still match. Random values make such mistakes visible.
+    # transformers starts norms at 1 (Gemma's, stored as w in (1 + w), at 0) and biases at 0;
+    # a runtime that skipped them, or loaded q_norm into k_norm, would still match. Random
+    # values around the start make such mistakes visible.
     import torch
 
     gen = torch.Generator().manual_seed(seed + 1)
@@ -101,12 +118,17 @@ def _perturb_constant_params(model: Any, seed: int) -> None:
             if name.endswith(".bias"):
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
             elif "norm" in name:
-                param.copy_(1.0 + torch.randn(param.shape, generator=gen) * 0.1)
+                param.add_(torch.randn(param.shape, generator=gen) * 0.1)
 
 
 def _to_hf4_style(cfg: dict[str, Any]) -> dict[str, Any]:
     """Rewrite a transformers-5 config.json the way most Hub checkpoints (saved by 4.x) look."""
     cfg = dict(cfg)
+    if cfg["model_type"] == "gemma3_text":
+        # One rope per layer type: the global one's keys as Llama's, the local one's base apart.
+        ropes = cfg.pop("rope_parameters")
+        cfg["rope_parameters"] = ropes["full_attention"]
+        cfg["rope_local_base_freq"] = ropes["sliding_attention"]["rope_theta"]
     rope = dict(cfg.pop("rope_parameters", None) or {})
     cfg["rope_theta"] = rope.pop("rope_theta", 10000.0)
     cfg["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None

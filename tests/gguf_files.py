@@ -16,9 +16,15 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file
 
+from gapless.model.families import family_of
 from gapless.model.gguf import gguf_name
 
-_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_ARCH = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
+}
 
 
 def permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -64,6 +70,7 @@ def write_gguf(
     """Write checkpoint `ckpt` as GGUF file `out`, 2-D weights in `qtype`, without `drop`."""
     cfg = json.loads((ckpt / "config.json").read_text())
     arch = _ARCH[cfg["architectures"][0]]
+    family = family_of(cfg["architectures"][0])
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
 
@@ -79,6 +86,8 @@ def write_gguf(
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(cfg["rope_theta"])
+    if arch == "gemma3":  # llama.cpp's loader knows the rest (local rope base, pattern)
+        writer.add_sliding_window(cfg["sliding_window"])
     writer.add_vocab_size(cfg["vocab_size"])
     scaling = cfg.get("rope_scaling") or {}
     if scaling.get("rope_type") == "linear":
@@ -90,11 +99,13 @@ def write_gguf(
 
     drop = set(drop)
     for hf_name, w in load_file(ckpt / "model.safetensors").items():
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, family.GGUF_NAMES)
         if name in drop or (hf_name == "lm_head.weight" and cfg["tie_word_embeddings"]):
             continue
         if arch == "llama" and ("q_proj" in hf_name or "k_proj" in hf_name):
             w = permute_rope_rows(w, heads if "q_proj" in hf_name else kv_heads)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp's converter stores Gemma's (1 + w)
         add_tensor(writer, name, w, qtype if w.ndim == 2 else QType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

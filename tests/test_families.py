@@ -1,0 +1,111 @@
+"""Every model family beyond Llama's computes what transformers computes: on a tiny random
+checkpoint built with transformers' own classes (tests/checkpoints.py), prompt logprobs within
+1e-4 in float32 and the same greedy tokens; however the batch is cut (chunks that cut
+sliding windows, ragged batches); over two tensor-parallel ranks; and from GGUF where llama.cpp
+names the family's tensors.
+
+A new family adds its checkpoint to checkpoints.py and its name to FAMILIES here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf_files import write_gguf
+from test_model import (
+    Seq,
+    check_chunked_prefill_equals_one_call,
+    check_ragged_batch_equals_each_sequence_alone,
+    hf_model,
+    prompt,
+    run_chunks,
+)
+from test_tensor_parallel import sharded_runner, tp2  # noqa: F401 - a fixture
+
+from gapless import LLM, SamplingParams
+from gapless.engine.runner import ModelRunner
+from gapless.model.gguf import load_gguf
+from gapless.model.loader import load_decoder
+
+FAMILIES = ["gemma3"]
+# Checkpoints whose every setting a GGUF file says as llama.cpp and transformers' GGUF loader
+# both read it. gemma3 files have no key for query_pre_attn_scalar: llama.cpp takes head_dim,
+# transformers 256 (Gemma 3's head_dim but for the 27B, which llama.cpp knows by its layers),
+# and transformers reads no rope scaling.
+GGUF_READY = {
+    "gemma3": {
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("style", ["hf4", "hf5"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_prompt_logprobs_and_greedy_tokens_match_transformers(checkpoint, arch, style):
+    path = checkpoint(arch, config_style=style)
+    ids = prompt(60, seed=5)  # longer than the sliding windows
+    hf = hf_model(path)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+        greedy = hf.generate(
+            torch.tensor([ids[:30]]), max_new_tokens=40, min_new_tokens=40, do_sample=False
+        )[0, 30:].tolist()
+    llm = LLM(path, dtype="float32", prefill_chunk=16)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1, ignore_eos=True)
+    out = llm.generate([ids], params)[0]
+    diff = max(
+        abs(out.prompt_logprobs[pos][1] - ref[pos - 1, ids[pos]].item())
+        for pos in range(1, len(ids))
+    )
+    assert diff < 1e-4
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    assert llm.generate([ids[:30]], params)[0].token_ids == greedy
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_chunks_that_cut_windows_equal_one_call(checkpoint, arch, kernels_choice):
+    decoder = load_decoder(checkpoint(arch), "float32")
+    check_chunked_prefill_equals_one_call(ModelRunner(decoder, 32, 16))
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_ragged_batch_equals_each_sequence_alone(checkpoint, arch):
+    decoder = load_decoder(checkpoint(arch), "float32")
+    check_ragged_batch_equals_each_sequence_alone(ModelRunner(decoder, 64, 16))
+
+
+# kv1: one KV head (as Gemma 3 270M has), which each rank keeps a replica of.
+@pytest.mark.parametrize("arch", [*FAMILIES, *(f"{name}-kv1" for name in FAMILIES)])
+def test_two_ranks_give_one_ranks_logits(checkpoint, tp2, arch):  # noqa: F811
+    name, _, kv1 = arch.partition("-")
+    path = checkpoint(name, num_key_value_heads=1) if kv1 else checkpoint(name)
+    ids = prompt(80)
+    one = run_chunks(ModelRunner(load_decoder(path, "float32"), 16, 16), Seq(ids, 0), [80])
+    two = run_chunks(sharded_runner(tp2, path, 16), Seq(ids, 0), [16, 64])
+    assert (one - two).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("qtype", [QType.F32, QType.Q4_0])
+@pytest.mark.parametrize("arch", GGUF_READY)
+def test_gguf_file_runs_as_transformers_gguf_loader(checkpoint, tmp_path, monkeypatch, arch, qtype):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("GAPLESS_KERNELS", "fallback")  # Q4_0 dequantized, in float32
+    ckpt = checkpoint(arch, **GGUF_READY[arch])
+    path = write_gguf(ckpt, tmp_path / f"{arch}.gguf", qtype)
+    ids = prompt(40)
+    decoder, _ = load_gguf(path, "float32")
+    got = run_chunks(ModelRunner(decoder, 8, 16), Seq(ids, 0), [40])
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        want = hf.eval()(torch.tensor([ids])).logits[0]
+    assert (got - want).abs().max().item() < 1e-4
+    if qtype == QType.F32:  # and as the checkpoint it was written from
+        want = run_chunks(ModelRunner(load_decoder(ckpt, "float32"), 8, 16), Seq(ids, 0), [40])
+        assert (got - want).abs().max().item() < 1e-4
