@@ -32,7 +32,7 @@ def llama_dir(checkpoint: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def server(llama_dir: Path) -> Iterator[RunningServer]:
     with running_server(
-        llama_dir, ServerSettings(MODEL, max_body_bytes=4 * 2**20), kv_cache_tokens=8192
+        llama_dir, ServerSettings(MODEL, max_body_mb=4), kv_cache_tokens=8192
     ) as running:
         yield running
 

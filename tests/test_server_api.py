@@ -30,7 +30,7 @@ def llama_dir(checkpoint: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def server(llama_dir: Path) -> Iterator[RunningServer]:
     # Small prefill chunks, also when idle, so every prompt prefills over several steps.
-    settings = ServerSettings(MODEL, max_body_bytes=BODY_LIMIT)
+    settings = ServerSettings(MODEL, max_body_mb=BODY_LIMIT / 2**20)
     with running_server(
         llama_dir,
         settings,

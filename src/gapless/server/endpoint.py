@@ -29,10 +29,12 @@ from gapless.engine.admission import RequestError
 from gapless.engine.async_engine import AsyncEngine
 from gapless.engine.engine import Engine, EngineFailed, QueueFull
 from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent
+from gapless.engine.options import check, option
 from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
 from gapless.server import protocol
 from gapless.server.protocol import APIError
 from gapless.server.response_store import ResponseStore
+from gapless.server.tool_calls import PARSERS
 
 log = logging.getLogger("gapless.server")
 
@@ -48,17 +50,46 @@ FieldNames = Mapping[str, str]
 
 @dataclass
 class ServerSettings:
-    served_model_name: str
-    api_key: str | None = None
-    max_body_bytes: int = 16 * 2**20
-    # On SIGTERM, in-flight requests get this long to finish before they are cancelled.
-    shutdown_grace_s: float = 30.0
-    # How tool calls are read out of the output (tool_calls.PARSERS); None: from the template.
-    tool_call_parser: str | None = None
-    # The Responses API's stored responses (response_store.py): at most this many, and this
-    # many bytes of JSON; the least recently used are evicted first.
-    response_store_entries: int = 1000
-    response_store_bytes: int = 64 * 2**20
+    """The HTTP server's options (engine/options.py: `gapless serve` builds its flags from
+    these fields)."""
+
+    served_model_name: str = option(
+        None, "the model name clients use (default: the directory's name or the file's stem)"
+    )
+    api_key: str | None = option(
+        None,
+        "require `Authorization: Bearer KEY` or `x-api-key: KEY` on every API endpoint "
+        "(default: $GAPLESS_API_KEY if set)",
+        metavar="KEY",
+    )
+    max_body_mb: float = option(16.0, "request body size limit in MiB", positive=True)
+    shutdown_grace_s: float = option(
+        30.0,
+        "on SIGTERM, time in-flight requests get to finish before they are cancelled",
+        minimum=0,
+        flag="--shutdown-grace",
+        metavar="SECONDS",
+    )
+    tool_call_parser: str | None = option(
+        None,
+        "how the model writes tool calls (default: recognised from its chat template)",
+        choices=PARSERS,
+    )
+    # The Responses API's stored responses (response_store.py); the least recently used are
+    # evicted first.
+    response_store_entries: int = option(
+        1000, "stored responses (Responses API) kept at most", positive=True
+    )
+    response_store_bytes: int = option(
+        64 * 2**20, "bytes of JSON the stored responses take at most", positive=True
+    )
+
+    def __post_init__(self) -> None:
+        check(self)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 2**20)
 
 
 class ServerState:
