@@ -120,6 +120,12 @@ def test_q4_gguf_runs_on_the_int4_kernel_as_dequantized(gguf_file, monkeypatch, 
     assert rel_err(got, want) < 0.05 and mean_kl(want, got) < 1e-3
 
 
+def test_a_file_of_dequantized_weights_runs_float32_by_default(gguf_file):
+    # As files with int4 weights do; in bf16 Gemma 3 270M's Q4_K_M file fell into loops.
+    decoder, _ = load_gguf(gguf_file("llama", QType.Q8_0, **PLAIN_LLAMA))
+    assert decoder.dtype == torch.float32
+
+
 def test_tokenizer_matches_the_checkpoints(checkpoint, gguf_file):
     from transformers import AutoTokenizer
 

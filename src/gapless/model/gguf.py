@@ -184,7 +184,12 @@ def load_gguf(
     cfg = read_config(reader)
     dev = torch.device(device)
     quantized = quantize is not None or any(t.tensor_type in INT4_TYPES for t in reader.tensors)
-    run_dtype = resolve_dtype(dtype, dev, quantized)
+    # `auto` runs a file of quantized weights in float32 on CPUs, as it runs any quantized
+    # weights, dequantized ones (K-quants) too: llama.cpp keeps activations in float32, and
+    # in bf16 Gemma 3 270M's greedy continuation of "The capital of France is" fell into a
+    # loop (" the capital of the country of France. It is the capital of the country ...").
+    dequantized = any(t.tensor_type not in FLOAT_TYPES for t in reader.tensors)
+    run_dtype = resolve_dtype(dtype, dev, quantized or dequantized)
     family = family_of(cfg.architecture)
     expected = {
         gguf_name(n, family.GGUF_NAMES): (n, shape) for n, shape in expected_shapes(cfg).items()
