@@ -17,7 +17,7 @@ import tokenizers
 
 from gapless.model.demo import build_bpe_tokenizer, stdlib_sources, write_tokenizer_files
 
-ARCHS = ("llama", "llama_linear", "qwen2", "qwen3", "mistral", "gemma3")
+ARCHS = ("llama", "llama_linear", "qwen2", "qwen3", "mistral", "gemma3", "phi3")
 
 TEST_VOCAB_SIZE = 512
 
@@ -84,6 +84,23 @@ _ARCH_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "rope_parameters": {
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
+    # LongRoPE with a short original context (128: the parity tests' prompts stay inside it,
+    # where transformers rotates by the short factors), half the head rotary, a window.
+    "phi3": (
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        {
+            "sliding_window": 48,
+            "original_max_position_embeddings": 128,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.2, 1.5, 2.5],
+                "long_factor": [1.5, 3.0, 6.0, 12.0],
             },
         },
     ),

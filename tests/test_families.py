@@ -28,11 +28,12 @@ from gapless.engine.runner import ModelRunner
 from gapless.model.gguf import load_gguf
 from gapless.model.loader import load_decoder
 
-FAMILIES = ["gemma3"]
+FAMILIES = ["gemma3", "phi3"]
 # Checkpoints whose every setting a GGUF file says as llama.cpp and transformers' GGUF loader
 # both read it. gemma3 files have no key for query_pre_attn_scalar: llama.cpp takes head_dim,
 # transformers 256 (Gemma 3's head_dim but for the 27B, which llama.cpp knows by its layers),
-# and transformers reads no rope scaling.
+# and transformers reads no rope scaling. For phi3 it reads no window, LongRoPE or partial
+# rotary either.
 GGUF_READY = {
     "gemma3": {
         "head_dim": 256,
@@ -41,6 +42,10 @@ GGUF_READY = {
             "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         },
+    },
+    "phi3": {
+        "sliding_window": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
     },
 }
 

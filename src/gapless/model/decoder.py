@@ -73,15 +73,21 @@ def rope_inv_freq(
 class Rope:
     """One rotary embedding: its inverse frequencies, and a factor on cos and sin (LongRoPE's
     attention factor; 1 elsewhere). Layers with the same rope share one, so that a step
-    computes its rotations once."""
+    computes its rotations once. With long_inv_freq (LongRoPE), positions from long_from on
+    rotate by those instead."""
 
     inv_freq: torch.Tensor
     scale: float = 1.0
+    long_inv_freq: torch.Tensor | None = None
+    long_from: int = 0
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotates pairs (i, i + D/2). signed_sin is sin with its first half negated, so the
+    """Rotates pairs (i, i + R/2) of the first R = cos.shape[-1] dims (all of them but in a
+    partial rotary embedding). signed_sin is sin with its first half negated, so the
     rotation is x * cos + swap_halves(x) * signed_sin: three ops instead of six."""
+    if (rotary := cos.shape[-1]) < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, signed_sin), x[..., rotary:]), dim=-1)
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return torch.addcmul(x * cos, swapped, signed_sin)
@@ -107,7 +113,11 @@ class Step:
         rope, computed once per step."""
         if (cached := self._rotations.get(id(rope))) is not None:
             return cached
-        freqs = self.batch.positions.float()[:, None] * rope.inv_freq[None, :]
+        inv_freq = rope.inv_freq[None, :]
+        if rope.long_inv_freq is not None:
+            long = (self.batch.positions >= rope.long_from)[:, None]
+            inv_freq = torch.where(long, rope.long_inv_freq[None, :], inv_freq)
+        freqs = self.batch.positions.float()[:, None] * inv_freq
         cos, sin = freqs.cos(), freqs.sin()
         if rope.scale != 1.0:
             cos, sin = cos * rope.scale, sin * rope.scale

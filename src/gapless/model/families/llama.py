@@ -140,9 +140,11 @@ class Layer:
         return x + step.all_reduce(self.down(self.up.times(h, self.gate.silu(h))))
 
 
-def build(cfg: LlamaConfig, w: Weights) -> Body:
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling)
-    rope = Rope(inv_freq.to(w.device))
+def build(cfg: LlamaConfig, w: Weights, rope: Rope | None = None) -> Body:
+    """The layers; rope: one other than the config's (a family built on these layers)."""
+    if rope is None:
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling)
+        rope = Rope(inv_freq.to(w.device))
     layers = []
     for i, window in enumerate(cfg.layer_windows):
         p = f"model.layers.{i}."
