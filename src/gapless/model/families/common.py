@@ -51,20 +51,8 @@ def attention_shapes(
     """q, k, v and o projections (self_attn.*), with biases and per-head q/k norms if said."""
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    shapes: Shapes = {
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q),
-    }
-    if qkv_bias:
-        shapes |= {
-            "self_attn.q_proj.bias": (q,),
-            "self_attn.k_proj.bias": (kv,),
-            "self_attn.v_proj.bias": (kv,),
-        }
-    if o_bias:
-        shapes["self_attn.o_proj.bias"] = (h,)
+    qkv = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h)}
+    shapes = linear_shapes(qkv, qkv_bias) | linear_shapes({"self_attn.o_proj": (h, q)}, o_bias)
     if qk_norm:
         shapes |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
     return shapes
@@ -73,17 +61,15 @@ def attention_shapes(
 def mlp_shapes(cfg: ModelConfig, bias: bool = False) -> Shapes:
     """A gated MLP's gate, up and down projections (mlp.*)."""
     h, inter = cfg.hidden_size, cfg.intermediate_size
-    shapes: Shapes = {
-        "mlp.gate_proj.weight": (inter, h),
-        "mlp.up_proj.weight": (inter, h),
-        "mlp.down_proj.weight": (h, inter),
-    }
+    mlp = {"mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter)}
+    return linear_shapes(mlp, bias)
+
+
+def linear_shapes(modules: dict[str, tuple[int, int]], bias: bool = False) -> Shapes:
+    """Linears' weights [out, in], and their biases [out] if said, by module name."""
+    shapes: Shapes = {f"{m}.weight": shape for m, shape in modules.items()}
     if bias:
-        shapes |= {
-            "mlp.gate_proj.bias": (inter,),
-            "mlp.up_proj.bias": (inter,),
-            "mlp.down_proj.bias": (h,),
-        }
+        shapes |= {f"{m}.bias": shape[:1] for m, shape in modules.items()}
     return shapes
 
 

@@ -85,12 +85,14 @@ def gguf_config(raw: dict, meta: Meta) -> dict:
 def tensor_shapes(cfg: Phi3Config) -> Shapes:
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     layer = common.norm_shapes(cfg, "input_layernorm", "post_attention_layernorm")
-    layer |= {
-        "self_attn.qkv_proj.weight": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h),
-        "self_attn.o_proj.weight": (h, cfg.num_heads * d),
-        "mlp.gate_up_proj.weight": (2 * inter, h),
-        "mlp.down_proj.weight": (h, inter),
-    }
+    layer |= common.linear_shapes(
+        {
+            "self_attn.qkv_proj": ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h),
+            "self_attn.o_proj": (h, cfg.num_heads * d),
+            "mlp.gate_up_proj": (2 * inter, h),
+            "mlp.down_proj": (h, inter),
+        }
+    )
     return common.model_shapes(cfg, layer)
 
 
