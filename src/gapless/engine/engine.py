@@ -35,7 +35,12 @@ from gapless.kv.block_pool import BlockPool
 from gapless.model.checkpoint import load_model, read_model_config
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import RankFailed, check_shardable
-from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES, QUANTIZE_CHOICES
+from gapless.model.quantize import (
+    DEFAULT_INT4_GROUP_SIZE,
+    INT4_GROUP_SIZES,
+    QUANTIZE_CHOICES,
+    quantizer,
+)
 from gapless.model.tokenizer import Tokenizer
 
 log = logging.getLogger("gapless.engine")
@@ -111,6 +116,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        quantizer(self.quantize, self.quantize_group_size)  # its own messages name the choices
         check(self)
 
     @classmethod
