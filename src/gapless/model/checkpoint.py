@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from gapless.device import tune_allocator
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder
 from gapless.model.gguf import is_gguf, load_gguf, read_gguf_config
@@ -26,7 +25,6 @@ def load_model(
 ) -> tuple[Decoder, Tokenizer]:
     """The decoder (this rank's shard of it, with `parallel`) and the tokenizer; quantize as
     load_decoder's."""
-    tune_allocator()  # before the probe's first oneDNN op
     if is_gguf(path):
         return load_gguf(path, dtype, device, parallel, quantize, group_size)
     decoder = load_decoder(path, dtype, device, parallel, quantize, group_size)

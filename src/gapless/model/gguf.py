@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from gapless.device import tune_allocator
 from gapless.kernels import resolve_dtype, select
 from gapless.kernels.quant import GroupQuant
 from gapless.model.config import ModelConfig
@@ -177,6 +178,7 @@ def load_gguf(
 ) -> tuple[Decoder, Tokenizer]:
     """The decoder and tokenizer of a GGUF file. quantize (see load_decoder) applies to the
     weights that are float after load."""
+    tune_allocator()  # before the probe's first oneDNN op
     path = Path(path)
     quantize_fn = quantizer(quantize, group_size)
     # Copy-on-write: tensors view the mapped file without a copy and are never written back.

@@ -105,6 +105,7 @@ def load_decoder(
 ) -> Decoder:
     """quantize: None, "int8" or "int4" (with group_size): the linears' weights (lm_head
     too), quantized round-to-nearest at load; embeddings and norms stay in dtype."""
+    tune_allocator()  # before the probe's first oneDNN op
     path = Path(path)
     quantize_fn = quantizer(quantize, group_size)
     cfg = ModelConfig.from_pretrained(path)
@@ -178,7 +179,6 @@ def build_decoder(
     shard, cut before any linear is built; a GGUF file's quantized tensors are dequantized
     first (they are not sharded as they are).
     """
-    tune_allocator()
     family = family_of(cfg.architecture)
     if hasattr(family, "split_fused"):
         w = family.split_fused(cfg, w)
