@@ -165,3 +165,32 @@ def test_sigterm_during_startup_exits_cleanly(start_server: Callable[..., Server
     log = server.rest_of_log()
     assert status in (0, 1), log
     assert "terminate called" not in log and "Traceback" not in log, log
+
+
+def test_serve_flags_reach_the_configs_their_options_live_on() -> None:
+    """Each flag comes from one option field (engine/options.py): the value given on the
+    command line lands on that field, and defaults are the fields' own."""
+    import argparse
+
+    from gapless.engine.engine import EngineConfig
+    from gapless.server.cli import add_serve_parser, engine_config, server_settings
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    flags = ["--prefill-chunk", "8", "--no-prefix-cache", "--prefill-policy", "fcfs"]
+    flags += ["--kv-memory", "0.5", "--threads", "1", "--max-body-mb", "2"]
+    flags += ["--shutdown-grace", "5", "--response-store-entries", "3"]
+    args = parser.parse_args(["serve", *flags])
+    config = engine_config(args)
+    assert (config.scheduler.prefill_chunk, config.scheduler.enable_prefix_cache) == (8, False)
+    assert config.scheduler.prefill_policy == "fcfs"
+    assert (config.kv_memory_gib, config.num_threads) == (0.5, 1)
+    assert config.scheduler.idle_prefill_chunk == EngineConfig().scheduler.idle_prefill_chunk
+    settings = server_settings(args, "m")
+    assert settings.max_body_bytes == 2 * 2**20
+    assert (settings.shutdown_grace_s, settings.response_store_entries) == (5, 3)
+    assert settings.served_model_name == "m"
+    with pytest.raises(SystemExit):  # a range the option declares
+        parser.parse_args(["serve", "--prefill-policy", "lifo"])
+    with pytest.raises(ValueError, match="prefill_chunk must be positive"):
+        engine_config(parser.parse_args(["serve", "--prefill-chunk", "0"]))

@@ -118,11 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         log.error("cannot load %s: %s", model_dir, e)
         return 2
-    settings = dataclasses.replace(
-        ServerSettings(**_chosen(args, ServerSettings)),
-        served_model_name=name,
-        api_key=args.api_key or os.environ.get("GAPLESS_API_KEY") or None,
-    )
+    settings = server_settings(args, name)
     log.info(
         "serving %r from %s: context %d tokens, %d KV blocks of %d tokens",
         name,
@@ -139,6 +135,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's configuration from `gapless serve` flags (also used by
     `gapless bench --engine-only`). Raises ValueError for a bad combination."""
     return EngineConfig.of(**_chosen(args, EngineConfig), **_chosen(args, SchedulerConfig))
+
+
+def server_settings(args: argparse.Namespace, served_model_name: str) -> ServerSettings:
+    """The HTTP server's settings from `gapless serve` flags, under the name it serves."""
+    return dataclasses.replace(
+        ServerSettings(**_chosen(args, ServerSettings)),
+        served_model_name=served_model_name,
+        api_key=args.api_key or os.environ.get("GAPLESS_API_KEY") or None,
+    )
 
 
 def _chosen(args: argparse.Namespace, config: type) -> dict:
