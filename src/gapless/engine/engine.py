@@ -221,6 +221,20 @@ class Engine:
         collected, and at exit); idempotent. The engine runs no step afterwards."""
         self._close()
 
+    def reserve_peak_memory(self) -> None:
+        """Runs the largest step this engine can schedule once, before serving. The allocator
+        keeps what a step frees (see device.tune_allocator), so resident memory then starts
+        at its high-water mark, rather than stepping up hours later when a long prompt first
+        lands at the end of a long context; and that step's op caches are warm.
+
+        Whole-prompt prefill has no largest step short of the context length, and is skipped.
+        """
+        if self.whole_prefill:
+            return
+        context = min(self.max_model_len, self.pool.num_blocks * self.pool.block_size)
+        num_tokens = min(self.scheduler.max_step_tokens, context)
+        self.runner.run_largest_step(num_tokens, context)
+
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(

@@ -63,6 +63,16 @@ class ModelRunner:
             2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * decoder.kernels.kv_dtype.itemsize
         )
 
+    def run_largest_step(self, num_tokens: int, context: int) -> None:
+        """Runs one throwaway chunk of num_tokens ending at position context, then zeroes the
+        cache it wrote. With context the longest a sequence gets, this is the step with the
+        most activations and the widest attention masks."""
+        table = list(range(-(-context // self.block_size)))
+        self.run([ChunkInput([0] * num_tokens, context - num_tokens, table, False)])
+        for keys, values in self.kv_cache:
+            keys.zero_()
+            values.zero_()
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies the K/V of block src into block dst, for each (src, dst)."""
         if not pairs:

@@ -134,6 +134,14 @@ class Scheduler:
         self.prefix_queried_tokens = 0
         self.preemptions = 0
 
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens a step of chunked prefill holds: a prompt chunk while nobody
+        decodes, or every running request's decode beside a busy chunk."""
+        cfg = self.config
+        busy = cfg.idle_prefill_chunk if self.prefill_budget else cfg.prefill_chunk
+        return max(cfg.idle_prefill_chunk, cfg.max_num_seqs - 1 + busy)
+
     def add(self, request: Request) -> None:
         request.arrival_step = self.steps
         self.waiting.append(request)

@@ -115,6 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     thread = engine_thread()  # loads the engine, then steps it
     try:
         engine = thread.submit(Engine.from_pretrained, model_dir, config, launch).result()
+        thread.submit(engine.reserve_peak_memory).result()
     except (OSError, ValueError) as e:
         log.error("cannot load %s: %s", model_dir, e)
         return 2
