@@ -1,0 +1,67 @@
+// GGUF weight blocks as the files store them, and what our kernels need of each type.
+//
+// A quantized [rows, cols] weight is held as the file's own bytes: each row is cols /
+// block_elems blocks of block_bytes, in ggml's layout. A kernel never unpacks a whole weight:
+// decode rows (few activation rows) quantize the activations to 8 bits per block and take
+// integer dot products with the weight blocks, as llama.cpp does; prompt chunks dequantize a
+// tile of rows at a time into a small buffer and multiply there (gguf_ops.cpp).
+//
+// Each block type lives in one file of functions (gguf_q32.cpp: the 32-element types,
+// gguf_kquants.cpp: the 256-element super-block types) and is found through block_type().
+#pragma once
+
+#include <cstdint>
+
+namespace gapless_gguf {
+
+// ggml's type numbers (GGMLQuantizationType in the `gguf` package).
+enum GgmlType : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+  IQ4_NL = 20, IQ4_XS = 23,
+};
+
+// Activations quantized per 32 values for the 32-element weight types: x ~ d * q.
+// s = d * sum(q), which the types with an offset (Q4_1, Q5_1) and the ones centred on a
+// code (Q4_0: q - 8, Q5_0: q - 16) fold in without touching every value again.
+struct ActQ8 {
+  float d;
+  float s;
+  int8_t q[32];
+};
+
+// Activations quantized per 256 values for the K-quant types (ggml's Q8_K): x ~ d * q, and
+// bsums[j] = sum of q[16 j .. 16 j + 15], for the types' per-16 minimums and offsets.
+struct ActQ8K {
+  float d;
+  int16_t bsums[16];
+  int8_t q[256];
+};
+
+enum class ActFormat { Q8, Q8K };
+
+struct BlockType {
+  const char* name;
+  int64_t block_elems;  // 32 or 256
+  int64_t block_bytes;
+  ActFormat act;
+  // One row of nblocks blocks to block_elems * nblocks floats, exactly as gguf.quants does.
+  void (*dequantize)(const uint8_t* row, float* out, int64_t nblocks);
+  // The dot product of one row of nblocks weight blocks with one activation row quantized
+  // in `act` (nblocks ActQ8 per 32-element block, or nblocks ActQ8K per 256).
+  float (*dot)(const uint8_t* row, const void* act, int64_t nblocks);
+};
+
+// The 32-element types (gguf_q32.cpp) and the K-quant types (gguf_kquants.cpp): the type's
+// entry, or nullptr where that file does not have it.
+const BlockType* q32_type(int64_t ggml_type);
+const BlockType* kquant_type(int64_t ggml_type);
+
+// Activation quantizers (gguf_ops.cpp): x has n values, n a multiple of 32 (ActQ8) or 256.
+void quantize_act_q8(const float* x, ActQ8* out, int64_t n);
+void quantize_act_q8k(const float* x, ActQ8K* out, int64_t n);
+
+// IEEE half to float, for the blocks' scales (F16C where built with it).
+float half_to_float(uint16_t h);
+
+}  // namespace gapless_gguf
