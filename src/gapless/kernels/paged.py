@@ -14,65 +14,32 @@ compiler, no Python headers) the probe says no and the public path runs.
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 from types import ModuleType
 
-import platformdirs
 import torch
 
-from gapless.kernels.probe import machine
+from gapless.kernels import build
 
-log = logging.getLogger("gapless.kernels")
-
+NAME = "gapless_paged_attention"
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 HEAD_DIMS = (16, 32, 64, 128, 256)  # compiled in; other models decode on SDPA
 PREFILL_HEAD_DIMS = (32, 64, 128, 256)  # prompt chunks: whole vectors of bf16 pairs
-# gcc flags per ISA the probe reports: the build is cached per flag set, so a cache shared
-# by two machines never hands one the other's instructions.
-ISA_CFLAGS = {
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
-    "avx512-bf16": ["-mavx512bf16"],
-}
+ISA = ("avx2", "avx512", "avx512-bf16")  # what its code uses; more flags would only rebuild it
 
 
 def build_directory() -> Path:
     """Where the kernel for this CPU's ISA flags is built and cached."""
-    isa = [name.replace("-", "_") for name in machine().cpu_isa if name in ISA_CFLAGS]
-    name = "_".join(["gapless_paged_attention", *isa])  # a Python module name
-    return Path(platformdirs.user_cache_dir("gapless")) / "kernels" / name
+    return build.build_directory(NAME, build.native_isa(ISA))
 
 
 @functools.cache
 def extension() -> ModuleType | None:
     """The kernel compiled for this CPU, or None where it cannot be built."""
-    from torch.utils.cpp_extension import load
-
-    flags = [flag for name in machine().cpu_isa for flag in ISA_CFLAGS.get(name, [])]
     # -ffast-math lets gcc vectorize expf; the kernel has no infinities or NaNs to lose.
-    cflags = ["-O3", "-fopenmp", "-ffast-math", *flags]
-    build_dir = build_directory()
-    log.info("kernels: loading our paged attention kernel (built on first use, ~30 s)")
-    try:
-        import fcntl  # POSIX; elsewhere the ImportError below means SDPA decodes
-
-        build_dir.mkdir(parents=True, exist_ok=True)
-        with (build_dir / "gapless.lock").open("w") as lock:
-            # torch's own build lock is a plain file: a process killed mid-build leaves it, and
-            # every later load would wait on it forever. Ours is a flock, which dies with its
-            # process; whoever holds it knows any torch lock file left is stale.
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            (build_dir / "lock").unlink(missing_ok=True)
-            return load(
-                name=build_dir.name,
-                sources=[str(SOURCE)],
-                extra_cflags=cflags,
-                build_directory=str(build_dir),
-            )
-    except Exception as e:  # noqa: BLE001 - a compiler, ninja or headers missing, in many forms
-        log.warning("kernels: our paged attention kernel not built (%s); using the torch paths", e)
-        return None
+    cflags = ("-O3", "-fopenmp", "-ffast-math")
+    what = "our paged attention kernel"
+    return build.load_extension(NAME, [SOURCE], build.native_isa(ISA), cflags, what)
 
 
 def paged_attention(

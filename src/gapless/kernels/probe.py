@@ -10,7 +10,13 @@ from pathlib import Path
 import torch
 
 # /proc/cpuinfo flag -> the name the startup line and the roofline report use.
-ISA_FLAGS = {"avx2": "avx2", "avx512f": "avx512", "avx512_bf16": "avx512-bf16", "amx_bf16": "amx"}
+ISA_FLAGS = {
+    "avx2": "avx2",
+    "avx512f": "avx512",
+    "avx512_vnni": "avx512-vnni",
+    "avx512_bf16": "avx512-bf16",
+    "amx_bf16": "amx",
+}
 
 
 @dataclass(frozen=True)
