@@ -1,0 +1,78 @@
+"""Matmuls straight from a GGUF file's quantized blocks (csrc/gguf_*.cpp), built for this
+CPU on first use like the paged kernel (build.py).
+
+Why kernels of our own: a float copy of a quantized weight is 4-8x its bytes in memory and
+in every decode step's reads. Here the weight stays in the file's blocks. Decode rows (a
+few activation rows) are quantized to 8 bits per block and dotted with the blocks as stored,
+so a step streams the quantized bytes and nothing else; prompt chunks dequantize a tile of
+weight rows at a time into a small buffer and multiply there (never the whole weight).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from gapless.kernels import build
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "gguf_ops.cpp", CSRC / "gguf_q32.cpp", CSRC / "gguf_kquants.cpp"]
+# No FMA contraction: dequantize's d * code + m must round as the `gguf` package's numpy.
+CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
+Q32_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL"}
+
+
+@functools.cache
+def extension(isa: tuple[str, ...] | None = None) -> ModuleType | None:
+    """The kernels built for `isa` (None: this CPU's), or None where they cannot be built."""
+    what = "our GGUF block kernels"
+    return build.load_extension("gapless_gguf_blocks", SOURCES, isa, CFLAGS, what)
+
+
+def supported(qtype: int) -> bool:
+    """Whether our kernels (built for this CPU) have ggml type `qtype`."""
+    ext = extension()
+    return ext is not None and ext.has_type(qtype)
+
+
+def dequantize(
+    blocks: torch.Tensor, qtype: int, cols: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Blocks uint8 [R, bytes per row] as [R, cols] float32 or bfloat16, exactly the values
+    the `gguf` package's dequantize gives."""
+    return extension().dequantize(blocks, qtype, cols, dtype)  # type: ignore[union-attr]
+
+
+def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x float32 [M, K] times the blocks' [N, K] transposed, in float32 [M, N], for a few
+    rows (decode): x quantized to 8 bits per block, integer dots with the blocks."""
+    return extension().gemv(x.contiguous(), blocks, qtype)  # type: ignore[union-attr]
+
+
+def mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x float32 or bfloat16 [M, K] times the blocks' [N, K] transposed, in x's dtype, for
+    many rows (prompt chunks): a tile of weight rows dequantized at a time."""
+    return extension().mm(x.contiguous(), blocks, qtype)  # type: ignore[union-attr]
+
+
+@functools.cache
+def kernels_work() -> bool:
+    """Our kernels build here and agree with the `gguf` package on a few Q8_0 rows."""
+    import gguf
+
+    if not supported(gguf.GGMLQuantizationType.Q8_0):
+        return False
+    w = torch.linspace(-1, 1, 4 * 64).view(4, 64)
+    q8 = torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0))
+    exact = torch.from_numpy(gguf.quants.dequantize(q8.numpy(), gguf.GGMLQuantizationType.Q8_0))
+    x = torch.ones(2, 64)  # exact in 8 bits: every product agrees to float32 rounding
+    try:
+        got = dequantize(q8, 8, 64)
+        ok = torch.equal(got, exact)
+        ok = ok and torch.allclose(gemv(x, q8, 8), x @ exact.T, atol=1e-4)
+        return ok and torch.allclose(mm(x, q8, 8), x @ exact.T, atol=1e-4)
+    except RuntimeError:
+        return False

@@ -1,0 +1,335 @@
+// The 32-element GGUF block types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL.
+//
+// Every type's block is an f16 scale d (and for Q4_1/Q5_1 an f16 minimum m) followed by 32
+// codes; a weight is d * code + m, the code being centred for the types without a minimum
+// (Q4_0: u - 8, Q5_0: u - 16, IQ4_NL: a table of 16 signed values). A dot with activations
+// quantized per 32 values (x ~ dx * q) takes the integer sum of codes times q per block and
+// scales it once: d dx sum(code q) + m s, with s = dx sum(q).
+//
+// The vector paths multiply unsigned bytes by signed ones (dpbusd, maddubs): they take the
+// codes unsigned, u = code + centre, and fold the centre back out through s:
+// d dx sum(u q) - centre d s. Built with -ffp-contract=off so that dequantize's d * code + m
+// rounds twice as the `gguf` package's numpy does.
+#include "gguf_blocks.h"
+
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define GGUF_VNNI 1
+#endif
+
+namespace gapless_gguf {
+
+float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {  // infinity or NaN
+    bits = sign | 0x7f800000 | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else {  // zero or subnormal: mantissa * 2^-24, exact in float
+    float f = std::ldexp(static_cast<float>(mantissa), -24);
+    std::memcpy(&bits, &f, sizeof bits);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+void quantize_act_q8(const float* x, ActQ8* out, int64_t n) {
+  // ggml's Q8_0 of activations, rounding to nearest even on every path (nearbyint, and the
+  // vector convert's default mode) so that all builds agree to the bit.
+  for (int64_t b = 0; b < n / 32; ++b, x += 32) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[j]));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int q = static_cast<int>(std::nearbyint(x[j] * id));
+      out[b].q[j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    out[b].d = d;
+    out[b].s = d * static_cast<float>(sum);
+  }
+}
+
+namespace {
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return half_to_float(h);
+}
+
+// ggml's IQ4_NL values (kvalues_iq4nl).
+constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                               1,    13,   25,  38,  53,  69,  89,  113};
+
+// Codes j and j + 16 share byte j: low nibble, high nibble.
+inline void nibbles(const uint8_t* qs, uint8_t* u) {
+  for (int j = 0; j < 16; ++j) {
+    u[j] = qs[j] & 0x0f;
+    u[j + 16] = qs[j] >> 4;
+  }
+}
+
+// Q5's fifth bits: bit j of a little-endian uint32 for code j.
+inline void fifth_bits(const uint8_t* qh, uint8_t* u) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, sizeof bits);
+  for (int j = 0; j < 32; ++j) u[j] |= ((bits >> j) & 1) << 4;
+}
+
+#if defined(__AVX2__)
+inline __m256i nibbles_v(const uint8_t* qs) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+}
+
+// 0x10 in byte j where bit j of qh is set.
+inline __m256i fifth_bits_v(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, sizeof bits);
+#if defined(GGUF_VNNI)
+  return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(0x10));
+#else
+  // Byte j takes byte j / 8 of the bits, keeps bit j % 8 and widens it to 0xff.
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+#endif
+}
+
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// The 8 int32 partial sums of 32 unsigned bytes u times 32 signed bytes q.
+inline __m256i dot_u8s8(__m256i u, __m256i q) {
+#if defined(GGUF_VNNI)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q);
+#else
+  // A pair of products fits int16 while u <= 128 (|q| <= 127): maddubs does not saturate.
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// What a type is, per block: its scale d, minimum m (0 where none) and 32 codes such that
+// a weight is d * code + m. For the vector dots: the codes as unsigned bytes u = code +
+// kCentre, or for kSignedAvx2 types on AVX2 (whose u would overflow maddubs' int16 pairs)
+// as signed bytes.
+struct Q4_0T {
+  static constexpr int64_t kBytes = 18;
+  static constexpr int kCentre = 8;
+  static constexpr bool kHasMin = false, kSignedAvx2 = false;
+  static float d(const uint8_t* b) { return f16_at(b); }
+  static float m(const uint8_t*) { return 0.0f; }
+  static void codes(const uint8_t* b, int8_t* c) {
+    uint8_t u[32];
+    nibbles(b + 2, u);
+    for (int j = 0; j < 32; ++j) c[j] = static_cast<int8_t>(u[j] - 8);
+  }
+#if defined(__AVX2__)
+  static __m256i ucodes(const uint8_t* b) { return nibbles_v(b + 2); }
+#endif
+};
+
+struct Q4_1T {
+  static constexpr int64_t kBytes = 20;
+  static constexpr int kCentre = 0;
+  static constexpr bool kHasMin = true, kSignedAvx2 = false;
+  static float d(const uint8_t* b) { return f16_at(b); }
+  static float m(const uint8_t* b) { return f16_at(b + 2); }
+  static void codes(const uint8_t* b, int8_t* c) { nibbles(b + 4, reinterpret_cast<uint8_t*>(c)); }
+#if defined(__AVX2__)
+  static __m256i ucodes(const uint8_t* b) { return nibbles_v(b + 4); }
+#endif
+};
+
+struct Q5_0T {
+  static constexpr int64_t kBytes = 22;
+  static constexpr int kCentre = 16;
+  static constexpr bool kHasMin = false, kSignedAvx2 = false;
+  static float d(const uint8_t* b) { return f16_at(b); }
+  static float m(const uint8_t*) { return 0.0f; }
+  static void codes(const uint8_t* b, int8_t* c) {
+    uint8_t u[32];
+    nibbles(b + 6, u);
+    fifth_bits(b + 2, u);
+    for (int j = 0; j < 32; ++j) c[j] = static_cast<int8_t>(u[j] - 16);
+  }
+#if defined(__AVX2__)
+  static __m256i ucodes(const uint8_t* b) {
+    return _mm256_or_si256(nibbles_v(b + 6), fifth_bits_v(b + 2));
+  }
+#endif
+};
+
+struct Q5_1T {
+  static constexpr int64_t kBytes = 24;
+  static constexpr int kCentre = 0;
+  static constexpr bool kHasMin = true, kSignedAvx2 = false;
+  static float d(const uint8_t* b) { return f16_at(b); }
+  static float m(const uint8_t* b) { return f16_at(b + 2); }
+  static void codes(const uint8_t* b, int8_t* c) {
+    uint8_t* u = reinterpret_cast<uint8_t*>(c);
+    nibbles(b + 8, u);
+    fifth_bits(b + 4, u);
+  }
+#if defined(__AVX2__)
+  static __m256i ucodes(const uint8_t* b) {
+    return _mm256_or_si256(nibbles_v(b + 8), fifth_bits_v(b + 4));
+  }
+#endif
+};
+
+struct Q8_0T {
+  static constexpr int64_t kBytes = 34;
+  static constexpr int kCentre = 128;
+  static constexpr bool kHasMin = false, kSignedAvx2 = true;
+  static float d(const uint8_t* b) { return f16_at(b); }
+  static float m(const uint8_t*) { return 0.0f; }
+  static void codes(const uint8_t* b, int8_t* c) { std::memcpy(c, b + 2, 32); }
+#if defined(__AVX2__)
+  static __m256i scodes(const uint8_t* b) { return load32(b + 2); }
+  static __m256i ucodes(const uint8_t* b) {
+    return _mm256_xor_si256(scodes(b), _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+#endif
+};
+
+struct Iq4nlT {
+  static constexpr int64_t kBytes = 18;
+  static constexpr int kCentre = 128;
+  static constexpr bool kHasMin = false, kSignedAvx2 = true;
+  static float d(const uint8_t* b) { return f16_at(b); }
+  static float m(const uint8_t*) { return 0.0f; }
+  static void codes(const uint8_t* b, int8_t* c) {
+    uint8_t u[32];
+    nibbles(b + 2, u);
+    for (int j = 0; j < 32; ++j) c[j] = kIq4nlValues[u[j]];
+  }
+#if defined(__AVX2__)
+  static __m256i lookup(const uint8_t* b, __m128i table) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), nibbles_v(b + 2));
+  }
+  static __m256i scodes(const uint8_t* b) {
+    return lookup(b, _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4nlValues)));
+  }
+  static __m256i ucodes(const uint8_t* b) {
+    return lookup(b, _mm_xor_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4nlValues)),
+                                   _mm_set1_epi8(static_cast<char>(0x80))));
+  }
+#endif
+};
+
+template <class T>
+void dequantize(const uint8_t* row, float* out, int64_t nblocks) {
+  for (int64_t b = 0; b < nblocks; ++b, row += T::kBytes, out += 32) {
+    int8_t c[32];
+    T::codes(row, c);
+    const float d = T::d(row);
+    if constexpr (T::kHasMin) {
+      const float m = T::m(row);
+      for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(static_cast<uint8_t>(c[j])) + m;
+    } else {
+      for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(c[j]);
+    }
+  }
+}
+
+template <class T>
+float dot(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8* a = static_cast<const ActQ8*>(act);
+#if defined(__AVX2__)
+  // Two chains of accumulators: a block's work is short next to an FMA's latency.
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  float folded[2] = {0.0f, 0.0f};  // sum over blocks of s (m - centre d)
+  for (int64_t b = 0; b < nblocks; ++b, row += T::kBytes) {
+    const __m256i q = load32(a[b].q);
+    const float d = T::d(row);
+    __m256i sums;
+#if defined(GGUF_VNNI)
+    constexpr bool kSigned = false;
+#else
+    constexpr bool kSigned = T::kSignedAvx2;
+#endif
+    if constexpr (kSigned) {
+      const __m256i w = T::scodes(row);
+      sums = dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w));
+    } else {
+      sums = dot_u8s8(T::ucodes(row), q);
+      if constexpr (T::kCentre != 0 || T::kHasMin)
+        folded[b & 1] += a[b].s * (T::m(row) - static_cast<float>(T::kCentre) * d);
+    }
+    acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * a[b].d), acc[b & 1]);
+  }
+  return hsum(_mm256_add_ps(acc[0], acc[1])) + (folded[0] + folded[1]);
+#else
+  float total = 0.0f;
+  for (int64_t b = 0; b < nblocks; ++b, row += T::kBytes) {
+    int8_t c[32];
+    T::codes(row, c);
+    int sum = 0;
+    if constexpr (T::kHasMin) {
+      for (int j = 0; j < 32; ++j) sum += static_cast<uint8_t>(c[j]) * a[b].q[j];
+    } else {
+      for (int j = 0; j < 32; ++j) sum += c[j] * a[b].q[j];
+    }
+    total += T::d(row) * a[b].d * static_cast<float>(sum) + T::m(row) * a[b].s;
+  }
+  return total;
+#endif
+}
+
+template <class T>
+constexpr BlockType entry(const char* name) {
+  return {name, 32, T::kBytes, ActFormat::Q8, &dequantize<T>, &dot<T>};
+}
+
+constexpr BlockType kQ4_0 = entry<Q4_0T>("Q4_0");
+constexpr BlockType kQ4_1 = entry<Q4_1T>("Q4_1");
+constexpr BlockType kQ5_0 = entry<Q5_0T>("Q5_0");
+constexpr BlockType kQ5_1 = entry<Q5_1T>("Q5_1");
+constexpr BlockType kQ8_0 = entry<Q8_0T>("Q8_0");
+constexpr BlockType kIq4nl = entry<Iq4nlT>("IQ4_NL");
+
+}  // namespace
+
+const BlockType* q32_type(int64_t ggml_type) {
+  switch (ggml_type) {
+    case Q4_0: return &kQ4_0;
+    case Q4_1: return &kQ4_1;
+    case Q5_0: return &kQ5_0;
+    case Q5_1: return &kQ5_1;
+    case Q8_0: return &kQ8_0;
+    case IQ4_NL: return &kIq4nl;
+    default: return nullptr;
+  }
+}
+
+}  // namespace gapless_gguf
