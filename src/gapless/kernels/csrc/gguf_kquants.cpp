@@ -1,10 +1,616 @@
-// The K-quant block types (256 values a super-block). Placeholder until they land.
+// The K-quant GGUF block types: 256 values a super-block, in sub-blocks of 16 or 32 that
+// each carry a small integer scale (and for Q2_K/Q4_K/Q5_K a minimum) under the block's f16
+// d (and dmin). A weight is d * sc_j * code - dmin * m_j.
+//
+// Dots against Q8_K activations (x ~ dx * q per 256) keep everything integer inside a block:
+// sum_j sc_j * sum(code q) over its sub-blocks, then one float multiply by d * dx. The
+// minimums need no pass over the values: sum_j m_j * bsum_j from the activations' sums per
+// 16. The vector paths multiply unsigned bytes by signed ones (maddubs), so they take the
+// codes unsigned (Q6_K: 0..63 for code + 32, Q3_K: 0..7 for code + 4) and fold the centre
+// back out the same way, through the bsums. The sub-block scale is applied to maddubs' int16
+// pairs by madd (AVX2) or dpwssd (VNNI), which multiplies and accumulates in one
+// instruction; dpbusd would leave the scale for a separate integer multiply.
+//
+// dequantize computes each value in float32 as the `gguf` package's numpy does, operation
+// for operation (d * sc first, then times the code, then minus dmin * m): the build's
+// -ffp-contract=off (blocks.py) keeps the compiler from fusing the last two.
+//
+// Multi-byte fields are read little-endian, as GGUF stores them and x86 runs.
 #include "gguf_blocks.h"
+
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define GGUF_K_VNNI 1
+#endif
 
 namespace gapless_gguf {
 
-const BlockType* kquant_type(int64_t) { return nullptr; }
+void quantize_act_q8k(const float* x, ActQ8K* out, int64_t n) {
+  // ggml's Q8_K: the value of largest magnitude maps to -127 (its sign flips the scale), so
+  // every q lies in -127..127 and maddubs' pairs never overflow. Rounds to nearest even.
+  for (int64_t b = 0; b < n / 256; ++b, x += 256) {
+    ActQ8K& o = out[b];
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < 256; ++j) {
+      const float ax = std::fabs(x[j]);
+      if (ax > amax) {
+        amax = ax;
+        max = x[j];
+      }
+    }
+    if (amax == 0.0f) {
+      std::memset(&o, 0, sizeof o);
+      continue;
+    }
+    const float iscale = -127.0f / max;
+    for (int j = 0; j < 256; ++j) {
+      const float v = std::nearbyint(iscale * x[j]);
+      o.q[j] = static_cast<int8_t>(v < 127.0f ? v : 127.0f);
+    }
+    for (int j = 0; j < 16; ++j) {
+      int s = 0;
+      for (int i = 0; i < 16; ++i) s += o.q[16 * j + i];
+      o.bsums[j] = static_cast<int16_t>(s);
+    }
+    o.d = 1.0f / iscale;
+  }
+}
 
-void quantize_act_q8k(const float*, ActQ8K*, int64_t) {}
+namespace {
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);  // inline: the dots read two a block
+#else
+  return half_to_float(h);
+#endif
+}
+
+// Q4_K/Q5_K's 12 bytes of packed 6-bit scales and minimums: bytes 0..3 hold sc 0..3 (low 6
+// bits) and the top 2 bits of sc 4..7, bytes 4..7 the same for the minimums, bytes 8..11
+// the low 4 bits of sc 4..7 (low nibble) and of m 4..7 (high nibble). Out: sc[0..7] then
+// m[0..7]. Whole words: four lanes at once.
+inline void q4k_scales(const uint8_t* packed, uint8_t out[16]) {
+  uint32_t w[3], u[4];
+  std::memcpy(w, packed, 12);
+  u[0] = w[0] & 0x3f3f3f3f;
+  u[1] = (w[2] & 0x0f0f0f0f) | ((w[0] >> 2) & 0x30303030);
+  u[2] = w[1] & 0x3f3f3f3f;
+  u[3] = ((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 2) & 0x30303030);
+  std::memcpy(out, u, 16);
+}
+
+// Q3_K's 12 bytes of 16 6-bit scales: bytes 0..7 the low 4 bits (sc j in byte j % 8, low
+// nibble for j < 8), bytes 8..11 the top 2 bits (sc j at bits 2 (j / 4) of byte j % 4).
+// Out: the scales centred, -32..31.
+inline void q3k_scales(const uint8_t* packed, int8_t out[16]) {
+  uint32_t w[3], u[4];
+  std::memcpy(w, packed, 12);
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t low = (k & 2 ? w[k & 1] >> 4 : w[k & 1]) & 0x0f0f0f0f;
+    u[k] = low | (((w[2] >> (2 * k)) & 0x03030303) << 4);
+  }
+  std::memcpy(out, u, 16);
+  for (int j = 0; j < 16; ++j) out[j] = static_cast<int8_t>(out[j] - 32);
+}
+
+// IQ4_XS's 8 6-bit scales: a uint16 of the top 2 bits each, then 4 bytes of low nibbles.
+// Centred, -32..31.
+inline void iq4xs_scales(const uint8_t* b, int8_t out[8]) {
+  uint16_t high;
+  std::memcpy(&high, b + 2, sizeof high);
+  for (int j = 0; j < 8; ++j) {
+    const int low = (b[4 + j / 2] >> (4 * (j & 1))) & 0x0f;
+    out[j] = static_cast<int8_t>((low | (((high >> (2 * j)) & 3) << 4)) - 32);
+  }
+}
+
+// ggml's IQ4_NL values, which IQ4_XS codes index.
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
+
+// Block layouts (bytes), in ggml's field order.
+//   Q2_K  84: scales[16] (sc low nibble, m high), qs[64] (2 bits), d, dmin
+//   Q3_K 110: hmask[32], qs[64] (2 bits), scales[12], d
+//   Q4_K 144: d, dmin, scales[12], qs[128]
+//   Q5_K 176: d, dmin, scales[12], qh[32], qs[128]
+//   Q6_K 210: ql[128], qh[64], scales[16] (int8), d
+//   IQ4_XS 136: d, scales_h (uint16), scales_l[4], qs[128]
+// The 2-bit types take 32 bytes of qs for 128 values: value 32 s + i of that half is bits
+// 2 s of byte i. Q4_K/Q5_K: 32 bytes of qs for 64 values, low nibbles then high. Q6_K: 64
+// bytes of ql for 128 values (low nibbles of all 64, then high), and 32 bytes of qh whose
+// bits 2 s give the top bits of value 32 s + i. A "group" below is 32 consecutive values.
+
+// ---------------------------------------------------------------------------------------
+// dequantize: plain loops the compiler vectorizes; each value as the reference computes it.
+
+void dequantize_q2k(const uint8_t* b, float* out, int64_t nblocks) {
+  for (int64_t n = 0; n < nblocks; ++n, b += 84, out += 256) {
+    const float d = f16_at(b + 80), dmin = f16_at(b + 82);
+    for (int g = 0; g < 8; ++g) {
+      const uint8_t* qs = b + 16 + 32 * (g / 4);
+      const int shift = 2 * (g % 4);
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t s = b[2 * g + h];
+        const float dl = d * static_cast<float>(s & 0x0f), ml = dmin * static_cast<float>(s >> 4);
+        float* o = out + 32 * g + 16 * h;
+        for (int i = 0; i < 16; ++i)
+          o[i] = dl * static_cast<float>((qs[16 * h + i] >> shift) & 3) - ml;
+      }
+    }
+  }
+}
+
+void dequantize_q3k(const uint8_t* b, float* out, int64_t nblocks) {
+  for (int64_t n = 0; n < nblocks; ++n, b += 110, out += 256) {
+    const float d = f16_at(b + 108);
+    int8_t sc[16];
+    q3k_scales(b + 96, sc);
+    for (int g = 0; g < 8; ++g) {
+      const uint8_t* qs = b + 32 + 32 * (g / 4);
+      const int shift = 2 * (g % 4);
+      for (int h = 0; h < 2; ++h) {
+        const float dl = d * static_cast<float>(sc[2 * g + h]);
+        float* o = out + 32 * g + 16 * h;
+        for (int i = 0; i < 16; ++i) {
+          const int k = 16 * h + i;
+          // A clear hmask bit subtracts 4.
+          const int q = ((qs[k] >> shift) & 3) - (((b[k] >> g) & 1) ? 0 : 4);
+          o[i] = dl * static_cast<float>(q);
+        }
+      }
+    }
+  }
+}
+
+void dequantize_q4k(const uint8_t* b, float* out, int64_t nblocks) {
+  for (int64_t n = 0; n < nblocks; ++n, b += 144, out += 256) {
+    const float d = f16_at(b), dmin = f16_at(b + 2);
+    uint8_t sm[16];
+    q4k_scales(b + 4, sm);
+    for (int j = 0; j < 8; ++j) {
+      const float dl = d * static_cast<float>(sm[j]), ml = dmin * static_cast<float>(sm[8 + j]);
+      const uint8_t* qs = b + 16 + 32 * (j / 2);
+      const int shift = 4 * (j % 2);
+      for (int i = 0; i < 32; ++i)
+        out[32 * j + i] = dl * static_cast<float>((qs[i] >> shift) & 0x0f) - ml;
+    }
+  }
+}
+
+void dequantize_q5k(const uint8_t* b, float* out, int64_t nblocks) {
+  for (int64_t n = 0; n < nblocks; ++n, b += 176, out += 256) {
+    const float d = f16_at(b), dmin = f16_at(b + 2);
+    uint8_t sm[16];
+    q4k_scales(b + 4, sm);
+    const uint8_t* qh = b + 16;
+    for (int j = 0; j < 8; ++j) {
+      const float dl = d * static_cast<float>(sm[j]), ml = dmin * static_cast<float>(sm[8 + j]);
+      const uint8_t* qs = b + 48 + 32 * (j / 2);
+      const int shift = 4 * (j % 2);
+      for (int i = 0; i < 32; ++i) {
+        const int q = ((qs[i] >> shift) & 0x0f) | (((qh[i] >> j) & 1) << 4);
+        out[32 * j + i] = dl * static_cast<float>(q) - ml;
+      }
+    }
+  }
+}
+
+void dequantize_q6k(const uint8_t* b, float* out, int64_t nblocks) {
+  for (int64_t n = 0; n < nblocks; ++n, b += 210, out += 256) {
+    const float d = f16_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int g = 0; g < 8; ++g) {
+      const int half = g / 4, s = g % 4;
+      const uint8_t* ql = b + 64 * half + 32 * (s % 2);
+      const uint8_t* qh = b + 128 + 32 * half;
+      const int lshift = 4 * (s / 2), hshift = 2 * s;
+      for (int h = 0; h < 2; ++h) {
+        const float dl = d * static_cast<float>(sc[2 * g + h]);
+        float* o = out + 32 * g + 16 * h;
+        for (int i = 0; i < 16; ++i) {
+          const int k = 16 * h + i;
+          const int q = (((ql[k] >> lshift) & 0x0f) | (((qh[k] >> hshift) & 3) << 4)) - 32;
+          o[i] = dl * static_cast<float>(q);
+        }
+      }
+    }
+  }
+}
+
+void dequantize_iq4xs(const uint8_t* b, float* out, int64_t nblocks) {
+  for (int64_t n = 0; n < nblocks; ++n, b += 136, out += 256) {
+    const float d = f16_at(b);
+    int8_t sc[8];
+    iq4xs_scales(b, sc);
+    for (int j = 0; j < 8; ++j) {
+      const float dl = d * static_cast<float>(sc[j]);
+      const uint8_t* qs = b + 8 + 16 * j;
+      for (int i = 0; i < 16; ++i) {
+        out[32 * j + i] = dl * static_cast<float>(kIq4Values[qs[i] & 0x0f]);
+        out[32 * j + 16 + i] = dl * static_cast<float>(kIq4Values[qs[i] >> 4]);
+      }
+    }
+  }
+}
+
+#if defined(__AVX2__)
+// ---------------------------------------------------------------------------------------
+// Vector dots.
+
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m128i load16(const void* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+inline __m256i bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+
+// acc + the 8 int32 sums of four u * q products, each pair of int16 lanes of maddubs' times
+// its scale lane. maddubs cannot saturate: u <= 63 and |q| <= 127.
+inline __m256i dot_scaled(__m256i acc, __m256i u, __m256i q, __m256i scales16) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, q);
+#if defined(GGUF_K_VNNI)
+  return _mm256_dpwssd_epi32(acc, pairs, scales16);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales16));
+#endif
+}
+
+// For the types with 16 scales, one per 16 values: int16 scales s16 [16] -> for group g
+// (sub-blocks 2g, 2g + 1 of 16 values) the vector of s[2g] in its low 128 bits and s[2g + 1]
+// in its high 128. `half` is s16 with lanes 8h..8h+7 broadcast to both 128-bit halves.
+inline __m256i group_scales(__m256i half, int g4) {
+  // Bytes (4 g4, 4 g4 + 1) repeated in the low half, (4 g4 + 2, 4 g4 + 3) in the high half.
+  const __m256i pick = _mm256_add_epi8(
+      _mm256_set_epi64x(0x0302030203020302, 0x0302030203020302, 0x0100010001000100,
+                        0x0100010001000100),
+      bytes(4 * g4));
+  return _mm256_shuffle_epi8(half, pick);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i bsums(const ActQ8K& a) { return load32(a.bsums); }
+
+// The min term of Q4_K/Q5_K: m_j * (bsum 2j + bsum 2j + 1) in 8 int32 lanes.
+inline __m256i mins_by_bsums(const uint8_t* m8, const ActQ8K& a) {
+  uint64_t m;
+  std::memcpy(&m, m8, sizeof m);
+  const __m128i mm = _mm_cvtsi64_si128(static_cast<int64_t>(m));
+  return _mm256_madd_epi16(bsums(a), _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mm, mm)));
+}
+
+// A Q4_K/Q5_K sub-block's scale in every int16 lane.
+inline __m256i scale16(const uint8_t* sm, int j) { return _mm256_set1_epi16(sm[j]); }
+
+float dot_q4k(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+  const __m256i low4 = bytes(0x0f);
+  for (int64_t n = 0; n < nblocks; ++n, row += 144) {
+    const float d = f16_at(row) * a[n].d, dmin = f16_at(row + 2) * a[n].d;
+    alignas(16) uint8_t sm[16];
+    q4k_scales(row + 4, sm);
+    const __m256i m = mins_by_bsums(sm + 8, a[n]);
+    accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), accm);
+    __m256i sumi = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i qs = load32(row + 16 + 32 * c);
+      const __m256i lo = _mm256_and_si256(qs, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qs, 4), low4);
+      sumi = dot_scaled(sumi, lo, load32(a[n].q + 64 * c), scale16(sm, 2 * c));
+      sumi = dot_scaled(sumi, hi, load32(a[n].q + 64 * c + 32), scale16(sm, 2 * c + 1));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return hsum(_mm256_sub_ps(acc, accm));
+}
+
+float dot_q5k(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+  const __m256i low4 = bytes(0x0f), bit4 = bytes(0x10);
+  for (int64_t n = 0; n < nblocks; ++n, row += 176) {
+    const float d = f16_at(row) * a[n].d, dmin = f16_at(row + 2) * a[n].d;
+    alignas(16) uint8_t sm[16];
+    q4k_scales(row + 4, sm);
+    const __m256i m = mins_by_bsums(sm + 8, a[n]);
+    accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), accm);
+    // Sub-block j's fifth bits are bit j of qh's bytes: shifted down two a chunk, bits 0
+    // and 1 of every byte are the chunk's (16-bit shifts: no bit reaches a byte's low 2).
+    __m256i qh = load32(row + 16);
+    __m256i sumi = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i qs = load32(row + 48 + 32 * c);
+      const __m256i lo = _mm256_or_si256(_mm256_and_si256(qs, low4),
+                                         _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
+      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 4), low4),
+                                         _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
+      qh = _mm256_srli_epi16(qh, 2);
+      sumi = dot_scaled(sumi, lo, load32(a[n].q + 64 * c), scale16(sm, 2 * c));
+      sumi = dot_scaled(sumi, hi, load32(a[n].q + 64 * c + 32), scale16(sm, 2 * c + 1));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return hsum(_mm256_sub_ps(acc, accm));
+}
+
+float dot_q6k(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  __m256 acc = _mm256_setzero_ps();
+  const __m256i low4 = bytes(0x0f), high2 = bytes(0x30);
+  for (int64_t n = 0; n < nblocks; ++n, row += 210) {
+    const float d = f16_at(row + 208) * a[n].d;
+    const __m256i sc16 = _mm256_cvtepi8_epi16(load16(row + 192));
+    // Codes are stored + 32: take off 32 * sum_j sc_j bsum_j.
+    __m256i sumi = _mm256_slli_epi32(_mm256_madd_epi16(bsums(a[n]), sc16), 5);
+    sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = row + 64 * h;
+      const __m256i l0 = load32(ql), l1 = load32(ql + 32), qh = load32(row + 128 + 32 * h);
+      const __m256i u[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, low4),
+                          _mm256_and_si256(_mm256_slli_epi16(qh, 4), high2)),
+          _mm256_or_si256(_mm256_and_si256(l1, low4),
+                          _mm256_and_si256(_mm256_slli_epi16(qh, 2), high2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                          _mm256_and_si256(qh, high2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                          _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)),
+      };
+      const __m256i half = _mm256_permute4x64_epi64(sc16, h ? 0xee : 0x44);
+      const int8_t* q = a[n].q + 128 * h;
+      for (int s = 0; s < 4; ++s)
+        sumi = dot_scaled(sumi, u[s], load32(q + 32 * s), group_scales(half, s));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return hsum(acc);
+}
+
+float dot_q3k(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  __m256 acc = _mm256_setzero_ps();
+  const __m256i low2 = bytes(0x03), bit2 = bytes(0x04);
+  for (int64_t n = 0; n < nblocks; ++n, row += 110) {
+    const float d = f16_at(row + 108) * a[n].d;
+    alignas(16) int8_t sc[16];
+    q3k_scales(row + 96, sc);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(load16(sc));
+    // Codes taken unsigned, 0..7 = code + 4 (a set hmask bit adds the 4): take off
+    // 4 * sum_j sc_j bsum_j.
+    __m256i sumi = _mm256_slli_epi32(_mm256_madd_epi16(bsums(a[n]), sc16), 2);
+    sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
+    __m256i hm = load32(row);  // group g's bit is bit g of each byte: shifted down one a group
+    for (int h = 0; h < 2; ++h) {
+      const __m256i qs = load32(row + 32 + 32 * h);
+      const __m256i half = _mm256_permute4x64_epi64(sc16, h ? 0xee : 0x44);
+      const int8_t* q = a[n].q + 128 * h;
+      for (int s = 0; s < 4; ++s) {
+        const __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 2 * s), low2),
+                                          _mm256_and_si256(_mm256_slli_epi16(hm, 2), bit2));
+        hm = _mm256_srli_epi16(hm, 1);
+        sumi = dot_scaled(sumi, u, load32(q + 32 * s), group_scales(half, s));
+      }
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return hsum(acc);
+}
+
+float dot_q2k(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+  const __m256i low2 = bytes(0x03);
+  for (int64_t n = 0; n < nblocks; ++n, row += 84) {
+    const float d = f16_at(row + 80) * a[n].d, dmin = f16_at(row + 82) * a[n].d;
+    const __m128i s = load16(row);
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m256i sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s, low4));
+    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), low4));
+    accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin),
+                           _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums(a[n]), m16)), accm);
+    __m256i sumi = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      const __m256i qs = load32(row + 16 + 32 * h);
+      const __m256i half = _mm256_permute4x64_epi64(sc16, h ? 0xee : 0x44);
+      const int8_t* q = a[n].q + 128 * h;
+      for (int s4 = 0; s4 < 4; ++s4) {
+        const __m256i u = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * s4), low2);
+        sumi = dot_scaled(sumi, u, load32(q + 32 * s4), group_scales(half, s4));
+      }
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return hsum(_mm256_sub_ps(acc, accm));
+}
+
+float dot_iq4xs(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  __m256 acc = _mm256_setzero_ps();
+  const __m256i table = _mm256_broadcastsi128_si256(load16(kIq4Values));
+  const __m256i low4 = bytes(0x0f);
+  for (int64_t n = 0; n < nblocks; ++n, row += 136) {
+    const float d = f16_at(row) * a[n].d;
+    int8_t sc[8];
+    iq4xs_scales(row, sc);
+    __m256i sumi = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m128i b = load16(row + 8 + 16 * j);
+      const __m256i codes = _mm256_and_si256(
+          _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1), low4);
+      // The values are signed: maddubs takes |w| and moves w's sign onto q.
+      const __m256i w = _mm256_shuffle_epi8(table, codes);
+      sumi = dot_scaled(sumi, _mm256_abs_epi8(w), _mm256_sign_epi8(load32(a[n].q + 32 * j), w),
+                        _mm256_set1_epi16(sc[j]));
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+  }
+  return hsum(acc);
+}
+
+#else
+// ---------------------------------------------------------------------------------------
+// Portable dots: the same integer sums, a value at a time.
+
+// sum over a sub-block of `len` values of code * q, codes given by `code(i)`.
+template <class Code>
+inline int sub_dot(const int8_t* q, int len, Code code) {
+  int s = 0;
+  for (int i = 0; i < len; ++i) s += code(i) * q[i];
+  return s;
+}
+
+float dot_q2k(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  float total = 0.0f;
+  for (int64_t n = 0; n < nblocks; ++n, row += 84) {
+    int sumi = 0, summ = 0;
+    for (int j = 0; j < 16; ++j) {
+      const int g = j / 2;
+      const uint8_t* qs = row + 16 + 32 * (g / 4) + 16 * (j % 2);
+      const int shift = 2 * (g % 4);
+      const int dot = sub_dot(a[n].q + 16 * j, 16, [&](int i) { return (qs[i] >> shift) & 3; });
+      sumi += (row[j] & 0x0f) * dot;
+      summ += (row[j] >> 4) * a[n].bsums[j];
+    }
+    total += f16_at(row + 80) * a[n].d * static_cast<float>(sumi) -
+             f16_at(row + 82) * a[n].d * static_cast<float>(summ);
+  }
+  return total;
+}
+
+float dot_q3k(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  float total = 0.0f;
+  for (int64_t n = 0; n < nblocks; ++n, row += 110) {
+    int8_t sc[16];
+    q3k_scales(row + 96, sc);
+    int sumi = 0;
+    for (int j = 0; j < 16; ++j) {
+      const int g = j / 2, k0 = 16 * (j % 2);
+      const uint8_t* qs = row + 32 + 32 * (g / 4);
+      const int shift = 2 * (g % 4);
+      const int dot = sub_dot(a[n].q + 16 * j, 16, [&](int i) {
+        return ((qs[k0 + i] >> shift) & 3) - (((row[k0 + i] >> g) & 1) ? 0 : 4);
+      });
+      sumi += sc[j] * dot;
+    }
+    total += f16_at(row + 108) * a[n].d * static_cast<float>(sumi);
+  }
+  return total;
+}
+
+template <bool kFive>
+float dot_q45k(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  constexpr int64_t kBytes = kFive ? 176 : 144;
+  constexpr int kQs = kFive ? 48 : 16;
+  float total = 0.0f;
+  for (int64_t n = 0; n < nblocks; ++n, row += kBytes) {
+    uint8_t sm[16];
+    q4k_scales(row + 4, sm);
+    int sumi = 0, summ = 0;
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* qs = row + kQs + 32 * (j / 2);
+      const int shift = 4 * (j % 2);
+      const int dot = sub_dot(a[n].q + 32 * j, 32, [&](int i) {
+        const int high = kFive ? ((row[16 + i] >> j) & 1) << 4 : 0;
+        return ((qs[i] >> shift) & 0x0f) | high;
+      });
+      sumi += sm[j] * dot;
+      summ += sm[8 + j] * (a[n].bsums[2 * j] + a[n].bsums[2 * j + 1]);
+    }
+    total += f16_at(row) * a[n].d * static_cast<float>(sumi) -
+             f16_at(row + 2) * a[n].d * static_cast<float>(summ);
+  }
+  return total;
+}
+
+float dot_q4k(const uint8_t* row, const void* act, int64_t nblocks) {
+  return dot_q45k<false>(row, act, nblocks);
+}
+
+float dot_q5k(const uint8_t* row, const void* act, int64_t nblocks) {
+  return dot_q45k<true>(row, act, nblocks);
+}
+
+float dot_q6k(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  float total = 0.0f;
+  for (int64_t n = 0; n < nblocks; ++n, row += 210) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
+    int sumi = 0;
+    for (int j = 0; j < 16; ++j) {
+      const int g = j / 2, half = g / 4, s = g % 4, k0 = 16 * (j % 2);
+      const uint8_t* ql = row + 64 * half + 32 * (s % 2) + k0;
+      const uint8_t* qh = row + 128 + 32 * half + k0;
+      const int lshift = 4 * (s / 2), hshift = 2 * s;
+      const int dot = sub_dot(a[n].q + 16 * j, 16, [&](int i) {
+        return (((ql[i] >> lshift) & 0x0f) | (((qh[i] >> hshift) & 3) << 4)) - 32;
+      });
+      sumi += sc[j] * dot;
+    }
+    total += f16_at(row + 208) * a[n].d * static_cast<float>(sumi);
+  }
+  return total;
+}
+
+float dot_iq4xs(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  float total = 0.0f;
+  for (int64_t n = 0; n < nblocks; ++n, row += 136) {
+    int8_t sc[8];
+    iq4xs_scales(row, sc);
+    int sumi = 0;
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* qs = row + 8 + 16 * j;
+      const int8_t* q = a[n].q + 32 * j;
+      const int dot = sub_dot(q, 16, [&](int i) { return kIq4Values[qs[i] & 0x0f]; }) +
+                      sub_dot(q + 16, 16, [&](int i) { return kIq4Values[qs[i] >> 4]; });
+      sumi += sc[j] * dot;
+    }
+    total += f16_at(row) * a[n].d * static_cast<float>(sumi);
+  }
+  return total;
+}
+#endif
+
+constexpr BlockType kQ2K{"Q2_K", 256, 84, ActFormat::Q8K, &dequantize_q2k, &dot_q2k};
+constexpr BlockType kQ3K{"Q3_K", 256, 110, ActFormat::Q8K, &dequantize_q3k, &dot_q3k};
+constexpr BlockType kQ4K{"Q4_K", 256, 144, ActFormat::Q8K, &dequantize_q4k, &dot_q4k};
+constexpr BlockType kQ5K{"Q5_K", 256, 176, ActFormat::Q8K, &dequantize_q5k, &dot_q5k};
+constexpr BlockType kQ6K{"Q6_K", 256, 210, ActFormat::Q8K, &dequantize_q6k, &dot_q6k};
+constexpr BlockType kIq4Xs{"IQ4_XS", 256, 136, ActFormat::Q8K, &dequantize_iq4xs, &dot_iq4xs};
+
+}  // namespace
+
+const BlockType* kquant_type(int64_t ggml_type) {
+  switch (ggml_type) {
+    case Q2_K: return &kQ2K;
+    case Q3_K: return &kQ3K;
+    case Q4_K: return &kQ4K;
+    case Q5_K: return &kQ5K;
+    case Q6_K: return &kQ6K;
+    case IQ4_XS: return &kIq4Xs;
+    default: return nullptr;
+  }
+}
 
 }  // namespace gapless_gguf
