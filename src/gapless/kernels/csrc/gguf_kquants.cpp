@@ -78,26 +78,36 @@ inline float f16_at(const uint8_t* p) {
 // bits) and the top 2 bits of sc 4..7, bytes 4..7 the same for the minimums, bytes 8..11
 // the low 4 bits of sc 4..7 (low nibble) and of m 4..7 (high nibble). Out: sc[0..7] then
 // m[0..7]. Whole words: four lanes at once.
-inline void q4k_scales(const uint8_t* packed, uint8_t out[16]) {
-  uint32_t w[3], u[4];
+inline void q4k_words(const uint8_t* packed, uint32_t u[4]) {
+  uint32_t w[3];
   std::memcpy(w, packed, 12);
   u[0] = w[0] & 0x3f3f3f3f;
   u[1] = (w[2] & 0x0f0f0f0f) | ((w[0] >> 2) & 0x30303030);
   u[2] = w[1] & 0x3f3f3f3f;
   u[3] = ((w[2] >> 4) & 0x0f0f0f0f) | ((w[1] >> 2) & 0x30303030);
+}
+
+inline void q4k_scales(const uint8_t* packed, uint8_t out[16]) {
+  uint32_t u[4];
+  q4k_words(packed, u);
   std::memcpy(out, u, 16);
 }
 
 // Q3_K's 12 bytes of 16 6-bit scales: bytes 0..7 the low 4 bits (sc j in byte j % 8, low
 // nibble for j < 8), bytes 8..11 the top 2 bits (sc j at bits 2 (j / 4) of byte j % 4).
-// Out: the scales centred, -32..31.
-inline void q3k_scales(const uint8_t* packed, int8_t out[16]) {
-  uint32_t w[3], u[4];
+// Out: the scales as 0..63, to be centred (- 32).
+inline void q3k_words(const uint8_t* packed, uint32_t u[4]) {
+  uint32_t w[3];
   std::memcpy(w, packed, 12);
   for (int k = 0; k < 4; ++k) {
     const uint32_t low = (k & 2 ? w[k & 1] >> 4 : w[k & 1]) & 0x0f0f0f0f;
     u[k] = low | (((w[2] >> (2 * k)) & 0x03030303) << 4);
   }
+}
+
+inline void q3k_scales(const uint8_t* packed, int8_t out[16]) {
+  uint32_t u[4];
+  q3k_words(packed, u);
   std::memcpy(out, u, 16);
   for (int j = 0; j < 16; ++j) out[j] = static_cast<int8_t>(out[j] - 32);
 }
@@ -256,6 +266,8 @@ inline __m128i load16(const void* p) {
 
 inline __m256i bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
 
+inline __m256i bsums(const ActQ8K& a) { return load32(a.bsums); }
+
 // acc + the 8 int32 sums of four u * q products, each pair of int16 lanes of maddubs' times
 // its scale lane. maddubs cannot saturate: u <= 63 and |q| <= 127.
 inline __m256i dot_scaled(__m256i acc, __m256i u, __m256i q, __m256i scales16) {
@@ -267,16 +279,10 @@ inline __m256i dot_scaled(__m256i acc, __m256i u, __m256i q, __m256i scales16) {
 #endif
 }
 
-// For the types with 16 scales, one per 16 values: int16 scales s16 [16] -> for group g
-// (sub-blocks 2g, 2g + 1 of 16 values) the vector of s[2g] in its low 128 bits and s[2g + 1]
-// in its high 128. `half` is s16 with lanes 8h..8h+7 broadcast to both 128-bit halves.
-inline __m256i group_scales(__m256i half, int g4) {
-  // Bytes (4 g4, 4 g4 + 1) repeated in the low half, (4 g4 + 2, 4 g4 + 3) in the high half.
-  const __m256i pick = _mm256_add_epi8(
-      _mm256_set_epi64x(0x0302030203020302, 0x0302030203020302, 0x0100010001000100,
-                        0x0100010001000100),
-      bytes(4 * g4));
-  return _mm256_shuffle_epi8(half, pick);
+// A block's integer sum, kept in two chains of accumulators (a block is too short for one
+// to hide dpwssd's latency), as floats.
+inline __m256 as_float(const __m256i sumi[2]) {
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[0], sumi[1]));
 }
 
 inline float hsum(__m256 v) {
@@ -286,18 +292,76 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline __m256i bsums(const ActQ8K& a) { return load32(a.bsums); }
-
-// The min term of Q4_K/Q5_K: m_j * (bsum 2j + bsum 2j + 1) in 8 int32 lanes.
-inline __m256i mins_by_bsums(const uint8_t* m8, const ActQ8K& a) {
-  uint64_t m;
-  std::memcpy(&m, m8, sizeof m);
-  const __m128i mm = _mm_cvtsi64_si128(static_cast<int64_t>(m));
-  return _mm256_madd_epi16(bsums(a), _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mm, mm)));
+// Scales are unpacked in registers, never through memory: a block's scale work is as long
+// as its dot products.
+inline __m128i words_v(const uint32_t u[4]) {
+  return _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]), static_cast<int>(u[1]),
+                       static_cast<int>(u[0]));
 }
 
-// A Q4_K/Q5_K sub-block's scale in every int16 lane.
-inline __m256i scale16(const uint8_t* sm, int j) { return _mm256_set1_epi16(sm[j]); }
+// Types with a scale per 32 values (Q4_K, Q5_K, IQ4_XS) hold their 8 scales as int16 in both
+// 128-bit halves; sub-block j's scale in every lane is then one shuffle, where a broadcast
+// from memory or a general register takes two or three instructions.
+inline __m256i sub_scale(__m256i sc16, int j) {
+  return _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<short>(0x0100 + 0x0202 * j)));
+}
+
+// Types with a scale per 16 values (Q2_K, Q3_K, Q6_K) hold their 16 as int16 [16]; `half`
+// is lanes 8h..8h+7 of it in both 128-bit halves (permute_half). Group g of 32 values
+// (sub-blocks 2g, 2g + 1) takes lane 2g's scale in the low 128 bits, 2g + 1's in the high.
+inline __m256i permute_half(__m256i sc16, int h) {
+  return h ? _mm256_permute4x64_epi64(sc16, 0xee) : _mm256_permute4x64_epi64(sc16, 0x44);
+}
+
+inline __m256i group_scales(__m256i half, int g4) {
+  // Bytes (4 g4, 4 g4 + 1) repeated in the low half, (4 g4 + 2, 4 g4 + 3) in the high half.
+  const __m256i pick = _mm256_add_epi8(
+      _mm256_set_epi64x(0x0302030203020302, 0x0302030203020302, 0x0100010001000100,
+                        0x0100010001000100),
+      bytes(4 * g4));
+  return _mm256_shuffle_epi8(half, pick);
+}
+
+// Q4_K/Q5_K's scales (bytes 0..7) and minimums (8..15).
+inline __m128i q4k_scales_v(const uint8_t* packed) {
+  uint32_t u[4];
+  q4k_words(packed, u);
+  return words_v(u);
+}
+
+inline __m256i q4k_scales16(__m128i sm) {
+  return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+}
+
+// The min term of Q4_K/Q5_K: m_j * (bsum 2j + bsum 2j + 1) in 8 int32 lanes.
+inline __m256i mins_by_bsums(__m128i sm, const ActQ8K& a) {
+  return _mm256_madd_epi16(bsums(a), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm)));
+}
+
+// Q3_K's 16 scales, centred, as int16.
+inline __m256i q3k_scales16(const uint8_t* packed) {
+  uint32_t u[4];
+  q3k_words(packed, u);
+  return _mm256_cvtepi8_epi16(_mm_sub_epi8(words_v(u), _mm_set1_epi8(32)));
+}
+
+// IQ4_XS's 8 scales, centred, as int16 in both 128-bit halves. Scale j's top bits are bits
+// 2j of a uint16: a multiply by 2^(14 - 2j) brings them to the top of lane j.
+inline __m256i iq4xs_scales16(const uint8_t* b) {
+  uint16_t high;
+  uint32_t low;
+  std::memcpy(&high, b + 2, sizeof high);
+  std::memcpy(&low, b + 4, sizeof low);
+  const __m128i l = _mm_cvtsi32_si128(static_cast<int>(low)), nib = _mm_set1_epi8(0x0f);
+  const __m128i low8 =
+      _mm_unpacklo_epi8(_mm_and_si128(l, nib), _mm_and_si128(_mm_srli_epi16(l, 4), nib));
+  const __m128i top = _mm_srli_epi16(
+      _mm_mullo_epi16(_mm_set1_epi16(static_cast<short>(high)),
+                      _mm_set_epi16(1, 4, 16, 64, 256, 1024, 4096, 16384)),
+      14);
+  const __m128i sc = _mm_or_si128(_mm_cvtepu8_epi16(low8), _mm_slli_epi16(top, 4));
+  return _mm256_broadcastsi128_si256(_mm_sub_epi16(sc, _mm_set1_epi16(32)));
+}
 
 float dot_q4k(const uint8_t* row, const void* act, int64_t nblocks) {
   const ActQ8K* a = static_cast<const ActQ8K*>(act);
@@ -305,19 +369,18 @@ float dot_q4k(const uint8_t* row, const void* act, int64_t nblocks) {
   const __m256i low4 = bytes(0x0f);
   for (int64_t n = 0; n < nblocks; ++n, row += 144) {
     const float d = f16_at(row) * a[n].d, dmin = f16_at(row + 2) * a[n].d;
-    alignas(16) uint8_t sm[16];
-    q4k_scales(row + 4, sm);
-    const __m256i m = mins_by_bsums(sm + 8, a[n]);
+    const __m128i sm = q4k_scales_v(row + 4);
+    const __m256i sc16 = q4k_scales16(sm), m = mins_by_bsums(sm, a[n]);
     accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), accm);
-    __m256i sumi = _mm256_setzero_si256();
+    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int c = 0; c < 4; ++c) {
       const __m256i qs = load32(row + 16 + 32 * c);
       const __m256i lo = _mm256_and_si256(qs, low4);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qs, 4), low4);
-      sumi = dot_scaled(sumi, lo, load32(a[n].q + 64 * c), scale16(sm, 2 * c));
-      sumi = dot_scaled(sumi, hi, load32(a[n].q + 64 * c + 32), scale16(sm, 2 * c + 1));
+      sumi[0] = dot_scaled(sumi[0], lo, load32(a[n].q + 64 * c), sub_scale(sc16, 2 * c));
+      sumi[1] = dot_scaled(sumi[1], hi, load32(a[n].q + 64 * c + 32), sub_scale(sc16, 2 * c + 1));
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
   }
   return hsum(_mm256_sub_ps(acc, accm));
 }
@@ -328,14 +391,13 @@ float dot_q5k(const uint8_t* row, const void* act, int64_t nblocks) {
   const __m256i low4 = bytes(0x0f), bit4 = bytes(0x10);
   for (int64_t n = 0; n < nblocks; ++n, row += 176) {
     const float d = f16_at(row) * a[n].d, dmin = f16_at(row + 2) * a[n].d;
-    alignas(16) uint8_t sm[16];
-    q4k_scales(row + 4, sm);
-    const __m256i m = mins_by_bsums(sm + 8, a[n]);
+    const __m128i sm = q4k_scales_v(row + 4);
+    const __m256i sc16 = q4k_scales16(sm), m = mins_by_bsums(sm, a[n]);
     accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), accm);
     // Sub-block j's fifth bits are bit j of qh's bytes: shifted down two a chunk, bits 0
     // and 1 of every byte are the chunk's (16-bit shifts: no bit reaches a byte's low 2).
     __m256i qh = load32(row + 16);
-    __m256i sumi = _mm256_setzero_si256();
+    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int c = 0; c < 4; ++c) {
       const __m256i qs = load32(row + 48 + 32 * c);
       const __m256i lo = _mm256_or_si256(_mm256_and_si256(qs, low4),
@@ -343,10 +405,10 @@ float dot_q5k(const uint8_t* row, const void* act, int64_t nblocks) {
       const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 4), low4),
                                          _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
       qh = _mm256_srli_epi16(qh, 2);
-      sumi = dot_scaled(sumi, lo, load32(a[n].q + 64 * c), scale16(sm, 2 * c));
-      sumi = dot_scaled(sumi, hi, load32(a[n].q + 64 * c + 32), scale16(sm, 2 * c + 1));
+      sumi[0] = dot_scaled(sumi[0], lo, load32(a[n].q + 64 * c), sub_scale(sc16, 2 * c));
+      sumi[1] = dot_scaled(sumi[1], hi, load32(a[n].q + 64 * c + 32), sub_scale(sc16, 2 * c + 1));
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
   }
   return hsum(_mm256_sub_ps(acc, accm));
 }
@@ -359,8 +421,8 @@ float dot_q6k(const uint8_t* row, const void* act, int64_t nblocks) {
     const float d = f16_at(row + 208) * a[n].d;
     const __m256i sc16 = _mm256_cvtepi8_epi16(load16(row + 192));
     // Codes are stored + 32: take off 32 * sum_j sc_j bsum_j.
-    __m256i sumi = _mm256_slli_epi32(_mm256_madd_epi16(bsums(a[n]), sc16), 5);
-    sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
+    const __m256i centre = _mm256_slli_epi32(_mm256_madd_epi16(bsums(a[n]), sc16), 5);
+    __m256i sumi[2] = {_mm256_sub_epi32(_mm256_setzero_si256(), centre), _mm256_setzero_si256()};
     for (int h = 0; h < 2; ++h) {
       const uint8_t* ql = row + 64 * h;
       const __m256i l0 = load32(ql), l1 = load32(ql + 32), qh = load32(row + 128 + 32 * h);
@@ -374,12 +436,12 @@ float dot_q6k(const uint8_t* row, const void* act, int64_t nblocks) {
           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)),
       };
-      const __m256i half = _mm256_permute4x64_epi64(sc16, h ? 0xee : 0x44);
+      const __m256i half = permute_half(sc16, h);
       const int8_t* q = a[n].q + 128 * h;
       for (int s = 0; s < 4; ++s)
-        sumi = dot_scaled(sumi, u[s], load32(q + 32 * s), group_scales(half, s));
+        sumi[s & 1] = dot_scaled(sumi[s & 1], u[s], load32(q + 32 * s), group_scales(half, s));
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
   }
   return hsum(acc);
 }
@@ -390,26 +452,24 @@ float dot_q3k(const uint8_t* row, const void* act, int64_t nblocks) {
   const __m256i low2 = bytes(0x03), bit2 = bytes(0x04);
   for (int64_t n = 0; n < nblocks; ++n, row += 110) {
     const float d = f16_at(row + 108) * a[n].d;
-    alignas(16) int8_t sc[16];
-    q3k_scales(row + 96, sc);
-    const __m256i sc16 = _mm256_cvtepi8_epi16(load16(sc));
+    const __m256i sc16 = q3k_scales16(row + 96);
     // Codes taken unsigned, 0..7 = code + 4 (a set hmask bit adds the 4): take off
     // 4 * sum_j sc_j bsum_j.
-    __m256i sumi = _mm256_slli_epi32(_mm256_madd_epi16(bsums(a[n]), sc16), 2);
-    sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
+    const __m256i centre = _mm256_slli_epi32(_mm256_madd_epi16(bsums(a[n]), sc16), 2);
+    __m256i sumi[2] = {_mm256_sub_epi32(_mm256_setzero_si256(), centre), _mm256_setzero_si256()};
     __m256i hm = load32(row);  // group g's bit is bit g of each byte: shifted down one a group
     for (int h = 0; h < 2; ++h) {
       const __m256i qs = load32(row + 32 + 32 * h);
-      const __m256i half = _mm256_permute4x64_epi64(sc16, h ? 0xee : 0x44);
+      const __m256i half = permute_half(sc16, h);
       const int8_t* q = a[n].q + 128 * h;
       for (int s = 0; s < 4; ++s) {
         const __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 2 * s), low2),
                                           _mm256_and_si256(_mm256_slli_epi16(hm, 2), bit2));
         hm = _mm256_srli_epi16(hm, 1);
-        sumi = dot_scaled(sumi, u, load32(q + 32 * s), group_scales(half, s));
+        sumi[s & 1] = dot_scaled(sumi[s & 1], u, load32(q + 32 * s), group_scales(half, s));
       }
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
   }
   return hsum(acc);
 }
@@ -426,17 +486,17 @@ float dot_q2k(const uint8_t* row, const void* act, int64_t nblocks) {
     const __m256i m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), low4));
     accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin),
                            _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums(a[n]), m16)), accm);
-    __m256i sumi = _mm256_setzero_si256();
+    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int h = 0; h < 2; ++h) {
       const __m256i qs = load32(row + 16 + 32 * h);
-      const __m256i half = _mm256_permute4x64_epi64(sc16, h ? 0xee : 0x44);
+      const __m256i half = permute_half(sc16, h);
       const int8_t* q = a[n].q + 128 * h;
       for (int s4 = 0; s4 < 4; ++s4) {
         const __m256i u = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * s4), low2);
-        sumi = dot_scaled(sumi, u, load32(q + 32 * s4), group_scales(half, s4));
+        sumi[s4 & 1] = dot_scaled(sumi[s4 & 1], u, load32(q + 32 * s4), group_scales(half, s4));
       }
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
   }
   return hsum(_mm256_sub_ps(acc, accm));
 }
@@ -448,19 +508,18 @@ float dot_iq4xs(const uint8_t* row, const void* act, int64_t nblocks) {
   const __m256i low4 = bytes(0x0f);
   for (int64_t n = 0; n < nblocks; ++n, row += 136) {
     const float d = f16_at(row) * a[n].d;
-    int8_t sc[8];
-    iq4xs_scales(row, sc);
-    __m256i sumi = _mm256_setzero_si256();
+    const __m256i sc16 = iq4xs_scales16(row);
+    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
     for (int j = 0; j < 8; ++j) {
       const __m128i b = load16(row + 8 + 16 * j);
       const __m256i codes = _mm256_and_si256(
           _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1), low4);
       // The values are signed: maddubs takes |w| and moves w's sign onto q.
       const __m256i w = _mm256_shuffle_epi8(table, codes);
-      sumi = dot_scaled(sumi, _mm256_abs_epi8(w), _mm256_sign_epi8(load32(a[n].q + 32 * j), w),
-                        _mm256_set1_epi16(sc[j]));
+      const __m256i q = _mm256_sign_epi8(load32(a[n].q + 32 * j), w);
+      sumi[j & 1] = dot_scaled(sumi[j & 1], _mm256_abs_epi8(w), q, sub_scale(sc16, j));
     }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
   }
   return hsum(acc);
 }
