@@ -3,6 +3,11 @@
 `write_gguf` turns a tiny Hugging Face checkpoint (tests/checkpoints.py) into a GGUF file:
 metadata from config.json, the byte-level BPE tokenizer from tokenizer.json, tensors renamed,
 the q/k rows of `llama` files permuted for llama.cpp's rope, and 2-D weights quantized.
+
+The `gguf` package cannot quantize K-quants; `random_blocks` makes valid blocks of any type
+instead (random codes and scales, with finite f16 scale fields), so a file can mix types as
+a Q4_K_M file does. Such a tensor's values are random, not the checkpoint's: tests compare
+against readers of the same file (transformers' GGUF loader, gguf.quants.dequantize).
 """
 
 from __future__ import annotations
@@ -33,13 +38,51 @@ def permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, -1, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def add_tensor(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: QType) -> None:
+# Byte offsets of each block's f16 scale fields (d, and dmin where the type has one), in
+# ggml's block layouts; the other bytes (codes, sub-block scales) take any value.
+F16_FIELDS = {
+    QType.Q4_0: (0,), QType.Q4_1: (0, 2), QType.Q5_0: (0,), QType.Q5_1: (0, 2),
+    QType.Q8_0: (0,), QType.IQ4_NL: (0,), QType.IQ4_XS: (0,),
+    QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2),
+    QType.Q6_K: (208,), QType.IQ2_XXS: (0,),
+}  # fmt: skip
+
+
+def random_blocks(
+    shape: tuple[int, int], qtype: QType, rng: np.random.Generator, std: float = 0.05
+) -> np.ndarray:
+    """Valid blocks of qtype, uint8 [rows, bytes per row], whose values have about this std
+    (every value is linear in the f16 fields, so they are scaled to it)."""
+    rows, cols = shape
+    elems, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows, cols // elems, size), dtype=np.uint8)
+
+    def set_scales(scale: float) -> None:
+        for offset in F16_FIELDS[qtype]:
+            field = rng.uniform(0.5, 1.0, (rows, cols // elems)) * scale
+            blocks[..., offset : offset + 2] = (
+                field.astype(np.float16).view(np.uint8).reshape(rows, cols // elems, 2)
+            )
+
+    set_scales(1.0)
+    values = gguf.quants.dequantize(blocks.reshape(rows, -1), qtype)
+    set_scales(std / max(float(values.std()), 1e-12))
+    return blocks.reshape(rows, -1)
+
+
+def add_tensor(
+    writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: QType, rng: np.random.Generator
+) -> None:
     if qtype == QType.F32:
         writer.add_tensor(name, w.astype(np.float32))
     elif qtype == QType.F16:
         writer.add_tensor(name, w.astype(np.float16))
     else:
-        writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        try:
+            blocks = gguf.quants.quantize(w, qtype)
+        except NotImplementedError:  # the `gguf` package cannot quantize K-quants
+            blocks = random_blocks(w.shape, qtype, rng)
+        writer.add_tensor(name, blocks, raw_dtype=qtype)
 
 
 def add_byte_level_tokenizer(writer: gguf.GGUFWriter, ckpt: Path, pre: str) -> None:
@@ -67,8 +110,11 @@ def write_gguf(
     qtype: QType = QType.F32,
     pre: str = "gpt-2",
     drop: Iterable[str] = (),
+    mix: dict[str, QType] | None = None,
 ) -> Path:
-    """Write checkpoint `ckpt` as GGUF file `out`, 2-D weights in `qtype`, without `drop`."""
+    """Write checkpoint `ckpt` as GGUF file `out`, 2-D weights in `qtype`, without `drop`.
+    mix: the type of the tensors whose GGUF name contains a key (e.g. {"attn_v": Q6_K}), as a
+    Q4_K_M file gives some tensors more bits."""
     cfg = json.loads((ckpt / "config.json").read_text())
     arch = _ARCH[cfg["architectures"][0]]
     family = family_of(cfg["architectures"][0])
@@ -99,6 +145,7 @@ def write_gguf(
     add_byte_level_tokenizer(writer, ckpt, pre)
 
     drop = set(drop)
+    rng = np.random.default_rng(0)
     for hf_name, w in load_file(ckpt / "model.safetensors").items():
         name = gguf_name(hf_name, family.GGUF_NAMES)
         if name in drop or (hf_name == "lm_head.weight" and cfg["tie_word_embeddings"]):
@@ -107,7 +154,8 @@ def write_gguf(
             w = permute_rope_rows(w, heads if "q_proj" in hf_name else kv_heads)
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             w = w + 1  # llama.cpp's converter stores Gemma's (1 + w)
-        add_tensor(writer, name, w, qtype if w.ndim == 2 else QType.F32)
+        kind = next((t for part, t in (mix or {}).items() if part in name), qtype)
+        add_tensor(writer, name, w, kind if w.ndim == 2 else QType.F32, rng)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -15,7 +15,7 @@ from test_model import ModelRunner, Seq, run_chunks
 import gapless.engine.scheduler
 from gapless import LLM, SamplingParams
 from gapless.engine.engine import EngineConfig
-from gapless.kernels.linear import Int4Linear, Int8Linear
+from gapless.kernels.linear import BlockLinear, Int4Linear, Int8Linear
 from gapless.kernels.probe import int4_mm_works, int8_mm_works
 from gapless.model.gguf import unpack
 from gapless.model.loader import load_decoder
@@ -119,10 +119,14 @@ def test_quantize_at_load_stays_close_to_float(demo_checkpoint, demo_text_ids, m
         ModelRunner(load_decoder(demo_checkpoint, "float32"), 8, 16), Seq(ids, 0), [48]
     )
     decoder = load_decoder(demo_checkpoint, "float32", quantize=method)
-    linear = Int8Linear if method == "int8" else Int4Linear
-    assert isinstance(decoder.layers[0].qkv, linear) and isinstance(decoder.lm_head, linear)
+    if decoder.kernels.gguf_blocks:  # into GGUF blocks: Q8_0, Q4_1
+        assert isinstance(decoder.layers[0].qkv, BlockLinear)
+        assert isinstance(decoder.lm_head.narrow, BlockLinear)
+    else:
+        linear = Int8Linear if method == "int8" else Int4Linear
+        assert isinstance(decoder.layers[0].qkv, linear) and isinstance(decoder.lm_head, linear)
     assert decoder.embed.dtype == torch.float32  # tied: the embeddings stay float
-    # One chunk runs the dense path (dequantized weights), chunks of 16 the int kernels.
+    # One chunk runs the dense path (dequantized tiles), chunks of 16 the decode kernels.
     for sizes in ([48], [16, 16, 16]):
         got = run_chunks(ModelRunner(decoder, 8, 16), Seq(ids, 0), sizes)
         assert mean_kl(exact, got) < max_kl

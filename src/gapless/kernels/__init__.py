@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gapless.kernels import paged
+from gapless.kernels import blocks, paged
 from gapless.kernels.linear import (
+    BlockLinear,
     Int4Linear,
     Int8Linear,
     Linear,
@@ -34,7 +35,7 @@ from gapless.kernels.probe import (
     paged_decode_works,
     paged_prefill_works,
 )
-from gapless.kernels.quant import GroupQuant
+from gapless.kernels.quant import BlockQuant, GroupQuant
 
 __all__ = [
     "AttentionLayout",
@@ -70,6 +71,9 @@ class Kernels:
     # Batches of more rows than this dequantize a quantized weight and run the dense matmul:
     # both int kernels beat that up to 16 rows here, int8's lost at 32 (docs/benchmarks.md).
     int_kernel_max_rows: int = QUANT_KERNEL_MAX_ROWS
+    # GGUF files' quantized weights stay in their blocks, on our block kernels (blocks.py);
+    # else Q4_0/Q4_1 unpack for torch's int4 op and other types are dequantized at load.
+    gguf_blocks: bool = False
     paged_decode: bool = False  # decodes on our kernel (paged.py), else on SDPA
     paged_prefill: bool = False  # prompt chunks attend on it too, else on attention.py
     # A float32 run of quantized weights on a CPU that multiplies bf16 fast computes in bf16
@@ -84,8 +88,12 @@ class Kernels:
         """The KV cache's and attention's dtype (see _kv_dtype)."""
         return _kv_dtype(self.dtype, self.reduced_dtype, self.paged_prefill)
 
-    def linear(self, weight: torch.Tensor | GroupQuant, bias: torch.Tensor | None = None) -> Linear:
+    def linear(
+        self, weight: torch.Tensor | GroupQuant | BlockQuant, bias: torch.Tensor | None = None
+    ) -> Linear:
         rows, dense = self.int_kernel_max_rows, self.reduced_dtype
+        if isinstance(weight, BlockQuant):
+            return BlockLinear(weight, bias, rows, dense)
         if isinstance(weight, GroupQuant) and weight.codes.dtype == torch.int8:
             return Int8Linear(weight, bias, self.int8_dtype, rows, dense)
         if isinstance(weight, GroupQuant):
@@ -94,11 +102,12 @@ class Kernels:
             return PackedLinear(weight, bias)
         return PlainLinear(weight, bias)
 
-    def lm_head(self, weight: torch.Tensor | GroupQuant) -> Linear:
-        """The vocabulary projection. A dense one in a run with reduced_dtype (a GGUF file's
-        Q8_0 embeddings, dequantized) is read in that dtype, its best logits made exact (see
-        NarrowLinear): every decode step reads all of it, and in float32 it took a quarter of
-        the default model's step."""
+    def lm_head(self, weight: torch.Tensor | GroupQuant | BlockQuant) -> Linear:
+        """The vocabulary projection. GGUF blocks, and a dense one in a run with reduced_dtype,
+        are read narrow and their best logits made exact (see NarrowLinear): every decode step
+        reads all of it, and in float32 it took a quarter of the default model's step."""
+        if isinstance(weight, BlockQuant):
+            return NarrowLinear(weight, self.linear(weight), None)
         if self.reduced_dtype is None or isinstance(weight, GroupQuant):
             return self.linear(weight)
         narrow = self.linear(weight.to(self.reduced_dtype))
@@ -151,6 +160,8 @@ class Kernels:
             f"{name} kernel on {_name(dt)}" if dt else f"{name} dequantized"
             for name, dt in (("int8", self.int8_dtype), ("int4", self.int4_dtype))
         )
+        if self.gguf_blocks:
+            quant += ", GGUF blocks on our kernels"
         if self.reduced_dtype:
             quant += f", quantized prefill and dense lm_head on {_name(self.reduced_dtype)}"
         if self.kv_dtype != self.dtype:
@@ -199,6 +210,7 @@ def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) ->
         dtype,
         packed_linear=cpu and packed_linear_works(dtype),
         in_place_attention=cpu and cpu_flash_works(kv_dtype),
+        gguf_blocks=cpu and quantized and blocks.extension() is not None,
         paged_decode=cpu and paged_decode_works(kv_dtype),
         paged_prefill=paged_prefill,
         int8_dtype=None if fallback else _int_kernel_dtype(int8_mm_works, device, dtype),

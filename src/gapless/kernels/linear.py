@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gapless.kernels.quant import GroupQuant
+from gapless.kernels import blocks
+from gapless.kernels.quant import BlockQuant, GroupQuant
 
 
 class PlainLinear:
@@ -170,33 +171,98 @@ class Int4Linear(QuantizedLinear):
         return mm(x, self.packed, self.weight.group_size, self.scales_and_zeros)
 
 
-class NarrowLinear:
-    """An lm_head read in a narrower dtype than float32 (half the bytes a decode step reads),
-    whose best logits are then recomputed from the float32 weight.
+class BlockLinear:
+    """A weight held as GGUF blocks (BlockQuant), on our block kernels (blocks.py).
 
-    The narrow dtype rounds logits to its precision (steps of 0.125 near 24 in bf16). That
-    tied the default model's two best first tokens ('The' 24.80, 'L' 24.77 in float32) and
-    changed its greedy answer. The top `exact_top` logits of each row, where greedy and
-    nucleus choices are made, are exact; the rest keep the narrow dtype's rounding.
+    Up to `gemv_max_rows` rows (decode steps), the activations are quantized to 8 bits per
+    block and multiplied with the blocks as they are stored: a step reads the file's bytes
+    and nothing more. Larger batches (prompt chunks) dequantize one tile of rows at a time
+    into `dense_dtype` (None: the activations') and multiply there.
     """
 
     def __init__(
         self,
-        weight: torch.Tensor,
-        narrow: PlainLinear | PackedLinear,
-        narrow_dtype: torch.dtype,
+        weight: BlockQuant,
+        bias: torch.Tensor | None = None,
+        gemv_max_rows: int = 16,
+        dense_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.gemv_max_rows = gemv_max_rows
+        self.dense_dtype = dense_dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.shape[0] <= self.gemv_max_rows:
+            y = blocks.gemv(x.float(), w.blocks, w.qtype).to(x.dtype)
+        else:
+            y = blocks.mm(x.to(self.dense_dtype or x.dtype), w.blocks, w.qtype).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self(x))
+
+    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self(x) * other
+
+
+class StackedLinear:
+    """Linears whose outputs are concatenated: weights of one layer that one call cannot
+    take together, such as GGUF blocks of two types."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self(x))
+
+    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self(x) * other
+
+
+class NarrowLinear:
+    """An lm_head read narrower than float32 (a bf16 copy, or GGUF blocks against 8-bit
+    activations): half the bytes or fewer a decode step reads. Its best logits are then
+    recomputed exactly, from the float32 weight or the blocks' exact values.
+
+    A narrow read rounds logits (steps of 0.125 near 24 in bf16). That tied the default
+    model's two best first tokens ('The' 24.80, 'L' 24.77 in float32) and changed its greedy
+    answer. The top `exact_top` logits of each row, where greedy and nucleus choices are
+    made, are exact; the rest keep the narrow read's rounding.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor | BlockQuant,
+        narrow: PlainLinear | PackedLinear | BlockLinear,
+        narrow_dtype: torch.dtype | None,
         exact_top: int = 16,
     ) -> None:
         self.weight = weight
-        self.narrow = narrow  # the same weight in narrow_dtype
+        self.narrow = narrow  # the same weight, read narrow, on inputs in narrow_dtype
         self.narrow_dtype = narrow_dtype
         self.exact_top = min(exact_top, weight.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.narrow(x.to(self.narrow_dtype)).to(x.dtype)
+        narrow_x = x if self.narrow_dtype is None else x.to(self.narrow_dtype)
+        logits = self.narrow(narrow_x).to(x.dtype)
         top = logits.topk(self.exact_top, dim=-1).indices
-        exact = torch.einsum("rh,rkh->rk", x, self.weight[top])
+        w = self.weight
+        rows = w.rows(top, x.dtype) if isinstance(w, BlockQuant) else w[top]
+        exact = torch.einsum("rh,rkh->rk", x, rows)
         return logits.scatter_(1, top, exact)
 
 
-Linear = PlainLinear | PackedLinear | Int8Linear | Int4Linear | NarrowLinear
+Linear = (
+    PlainLinear
+    | PackedLinear
+    | Int8Linear
+    | Int4Linear
+    | BlockLinear
+    | StackedLinear
+    | NarrowLinear
+)

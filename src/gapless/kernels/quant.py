@@ -1,11 +1,13 @@
-"""The form weight-only quantized weights take, read by the int8/int4 linears (see linear.py)
-and written by model/quantize.py's on-load quantizers and model/gguf.py's unpacking."""
+"""The forms weight-only quantized weights take: a GGUF file's own blocks (BlockQuant, read by
+BlockLinear and the block kernels), and codes with a scale and offset per group (GroupQuant,
+read by torch's int8/int4 ops where our block kernels cannot be built)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import gguf
 import torch
 
 
@@ -48,3 +50,74 @@ class GroupQuant:
         return GroupQuant(
             torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), offset
         )
+
+
+@dataclass(frozen=True)
+class BlockQuant:
+    """A quantized [rows, cols] weight held as a GGUF file's own blocks, in ggml's layout:
+    each row is cols / block elements blocks of a fixed size (csrc/gguf_blocks.h). Nothing is
+    unpacked: decode steps read these bytes, prompt chunks dequantize tiles of them.
+
+    blocks: uint8 [rows, bytes per row]; qtype: ggml's type number (GGMLQuantizationType).
+    """
+
+    blocks: torch.Tensor
+    qtype: int
+    cols: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.cols
+
+    @property
+    def block_elems(self) -> int:
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(self.qtype)][0]
+
+    @property
+    def type_name(self) -> str:
+        return gguf.GGMLQuantizationType(self.qtype).name
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_blocks(self.blocks, self.qtype, self.cols, dtype)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The rows at index (any shape), dequantized: an embedding lookup. [*index, cols]"""
+        flat = dequantize_blocks(self.blocks[index.flatten()], self.qtype, self.cols, dtype)
+        return flat.view(*index.shape, self.cols)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockQuant:
+        """The same rows moved (permuted, sliced, moved to a device) by fn."""
+        return BlockQuant(fn(self.blocks), self.qtype, self.cols)
+
+    def column_slice(self, columns: slice) -> BlockQuant:
+        """Columns start..stop, which must fall on block boundaries: whole blocks are cut."""
+        n = self.block_elems
+        start, stop = columns.start or 0, columns.stop or self.cols
+        if start % n or stop % n:
+            raise ValueError(f"columns {start}:{stop} cut {self.type_name} blocks of {n}")
+        size = self.blocks.shape[1] // (self.cols // n)
+        cut = self.blocks[:, start // n * size : stop // n * size].contiguous()
+        return BlockQuant(cut, self.qtype, stop - start)
+
+    @staticmethod
+    def cat(parts: list[BlockQuant]) -> BlockQuant:
+        """The weights stacked by rows; all of one type."""
+        if len({(p.qtype, p.cols) for p in parts}) > 1:
+            raise ValueError("stacking weights of different block types or widths")
+        return BlockQuant(torch.cat([p.blocks for p in parts]), parts[0].qtype, parts[0].cols)
+
+
+def dequantize_blocks(
+    blocks: torch.Tensor, qtype: int, cols: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Rows of GGUF blocks [rows, bytes per row] as floats [rows, cols]: on our kernel where
+    it has the type, else on the `gguf` package's reference (numpy, on the CPU)."""
+    from gapless.kernels import blocks as block_kernels
+
+    if blocks.device.type == "cpu" and block_kernels.supported(qtype):
+        return block_kernels.dequantize(blocks, qtype, cols, dtype)
+    values = gguf.quants.dequantize(blocks.cpu().numpy(), gguf.GGMLQuantizationType(qtype))
+    return torch.from_numpy(values).view(-1, cols).to(device=blocks.device, dtype=dtype)
+
+
+Quantized = GroupQuant | BlockQuant  # both keep their rows apart: map_rows, cat

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from gapless.kernels import AttentionPlan, Kernels, Linear
 from gapless.kernels.plans import KVCache
+from gapless.kernels.quant import BlockQuant
 from gapless.model.config import ModelConfig
 from gapless.model.parallel import TensorParallel
 
@@ -31,6 +32,10 @@ class BatchInput:
     write_slots: torch.Tensor  # [T] KV-cache slot of each new token
     attention: list[AttentionPlan]  # how each part of the batch attends (kernels/plans.py)
     logit_rows: torch.Tensor  # rows whose logits are returned
+    # Rows whose hidden states after the final norm forward also keeps, float32, in `hidden`
+    # (embeddings); None: none.
+    hidden_rows: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -167,7 +172,7 @@ class Decoder:
     def __init__(
         self,
         config: ModelConfig,
-        embed: torch.Tensor,
+        embed: torch.Tensor | BlockQuant,
         layers: list[Layer],
         final_norm: Callable[[torch.Tensor], torch.Tensor],
         lm_head: Linear,
@@ -184,12 +189,10 @@ class Decoder:
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
-        self.dtype = embed.dtype
-        self.device = embed.device
+        self.dtype = kernels.dtype
+        self.device = kernels.device
         self.parallel = parallel
-        self.embed_scale = (
-            None if embed_scale is None else torch.tensor(embed_scale).to(embed.dtype)
-        )
+        self.embed_scale = None if embed_scale is None else torch.tensor(embed_scale).to(self.dtype)
         self.logit_softcap = logit_softcap
         # Tensor parallel: sums the ranks' partial outputs of o and down; gathers the ranks'
         # vocabulary slices of the logits.
@@ -198,13 +201,19 @@ class Decoder:
 
     @torch.inference_mode()
     def forward(self, batch: BatchInput, kv_cache: list[KVCache]) -> torch.Tensor:
-        """Runs the batch, writes its K/V into kv_cache, returns float32 logits [R, vocab]."""
+        """Runs the batch, writes its K/V into kv_cache, returns float32 logits [R, vocab]
+        (and sets batch.hidden when it has hidden_rows)."""
         step = Step(batch, self.kernels, self.dtype, self.all_reduce)
-        x = F.embedding(batch.token_ids, self.embed)
+        if isinstance(self.embed, BlockQuant):  # rows dequantized as they are gathered
+            x = self.embed.rows(batch.token_ids, self.dtype)
+        else:
+            x = F.embedding(batch.token_ids, self.embed)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         for layer, cache in zip(self.layers, kv_cache, strict=True):
             x = layer.forward(x, step, cache)
+        if batch.hidden_rows is not None:
+            batch.hidden = self.final_norm(x[batch.hidden_rows]).float()
         x = self.final_norm(x[batch.logit_rows])
         logits = self.gather_vocab(self.lm_head(x))[:, : self.config.vocab_size].float()
         if self.logit_softcap is not None:

@@ -1,15 +1,18 @@
 """Load a GGUF file (llama.cpp's format) as it is: config, weights and tokenizer from one file.
 
-The file is read with the `gguf` package, llama.cpp's own reader. Q4_0 and Q4_1 tensors
-unpack into 4-bit codes with a scale and an offset per group of 32 (`GroupQuant`), exactly the
-form the int4 linears take, and run as they are. Every other tensor is dequantized to the run
-dtype at load: Q8_0 too, whose scale per 32 columns the int8 kernel (one scale per row) cannot
-take; other quantized types go through the `gguf` package's reference dequantizer.
+The file is read with the `gguf` package, llama.cpp's own reader. Quantized tensors stay in
+the file's blocks (`BlockQuant`), read once into memory, and run on our block kernels
+(kernels/blocks.py) for every type those have. Where the kernels cannot be built (or on
+CUDA), Q4_0 and Q4_1 unpack into 4-bit codes for torch's int4 op (`GroupQuant`), and other
+types are dequantized to the run dtype at load, with a warning that names the type and what
+it costs in memory. A type the `gguf` package cannot dequantize either is an error.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from pathlib import Path
 
 import gguf
@@ -18,8 +21,8 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from gapless.device import tune_allocator
-from gapless.kernels import resolve_dtype, select
-from gapless.kernels.quant import GroupQuant
+from gapless.kernels import Kernels, blocks, resolve_dtype, select
+from gapless.kernels.quant import BlockQuant, GroupQuant
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder
 from gapless.model.families import common, family_of, gguf_family
@@ -36,13 +39,11 @@ from gapless.model.parallel import TensorParallel
 from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE, quantizer
 from gapless.model.tokenizer import Tokenizer
 
+log = logging.getLogger("gapless.model")
+
 UNPACKED_TYPES = (QType.Q8_0, QType.Q4_0, QType.Q4_1)
-INT4_TYPES = (QType.Q4_0, QType.Q4_1)  # run on the int4 linears as they are
+INT4_TYPES = (QType.Q4_0, QType.Q4_1)  # without our block kernels, run on torch's int4 op
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
-# Quantized types whose reference dequantizer in the `gguf` package is used as it is.
-REFERENCE_TYPES = (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q5_0, QType.Q5_1, QType.Q2_K,
-                   QType.Q3_K)  # fmt: skip
-SUPPORTED_TYPES = (*FLOAT_TYPES, *UNPACKED_TYPES, *REFERENCE_TYPES)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -91,12 +92,28 @@ def dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
         return data.view(torch.bfloat16).view(shape)
     if qtype in UNPACKED_TYPES:
         return unpack(data.view(-1, data.shape[-1]), qtype).dequantize().view(shape)
-    if qtype in REFERENCE_TYPES:
+    try:
         return torch.from_numpy(gguf.quants.dequantize(tensor.data, qtype)).view(shape)
-    raise WeightError(
-        f"tensor {tensor.name} has GGUF type {qtype.name}, which gapless does not support; "
-        f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)}"
-    )
+    except NotImplementedError:
+        raise WeightError(
+            f"tensor {tensor.name} has GGUF type {qtype.name}, which neither our kernels nor "
+            "the gguf package's reference can read"
+        ) from None
+
+
+def _weight(tensor: gguf.ReaderTensor, kernels: Kernels) -> torch.Tensor | GroupQuant | BlockQuant:
+    """A tensor in the form it runs in (see the module's docstring), in this process's memory:
+    nothing still maps the file once the load is done."""
+    qtype, dev = tensor.tensor_type, kernels.device
+    data = torch.from_numpy(tensor.data)
+    if qtype in FLOAT_TYPES:
+        return dequantize(tensor).to(device=dev, dtype=kernels.dtype, copy=True)
+    if kernels.gguf_blocks and blocks.supported(qtype):
+        rows = data.view(-1, data.shape[-1])  # [rows, bytes per row]
+        return BlockQuant(rows.to(dev, copy=True), int(qtype), _shape(tensor)[-1])
+    if qtype in INT4_TYPES:
+        return unpack(data, qtype).map_rows(lambda t: t.to(dev))
+    return dequantize(tensor).to(device=dev, dtype=kernels.dtype)
 
 
 def read_config(reader: gguf.GGUFReader) -> ModelConfig:
@@ -180,34 +197,43 @@ def load_gguf(
     weights that are float after load."""
     tune_allocator()  # before the probe's first oneDNN op
     path = Path(path)
-    quantize_fn = quantizer(quantize, group_size)
+    quantizer(quantize, group_size)  # a bad choice fails before the file is read
     # Copy-on-write: tensors view the mapped file without a copy and are never written back.
     reader = _Reader(path, "c")
     cfg = read_config(reader)
     dev = torch.device(device)
-    quantized = quantize is not None or any(t.tensor_type in INT4_TYPES for t in reader.tensors)
     # `auto` runs a file of quantized weights in float32 on CPUs, as it runs any quantized
-    # weights, dequantized ones (K-quants) too: llama.cpp keeps activations in float32, and
-    # in bf16 Gemma 3 270M's greedy continuation of "The capital of France is" fell into a
-    # loop (" the capital of the country of France. It is the capital of the country ...").
-    dequantized = any(t.tensor_type not in FLOAT_TYPES for t in reader.tensors)
-    run_dtype = resolve_dtype(dtype, dev, quantized or dequantized)
+    # weights: llama.cpp keeps activations in float32, and in bf16 Gemma 3 270M's greedy
+    # continuation of "The capital of France is" fell into a loop (" the capital of the
+    # country of France. It is the capital of the country ...").
+    quantized = quantize is not None or any(
+        t.tensor_type not in FLOAT_TYPES for t in reader.tensors
+    )
+    run_dtype = resolve_dtype(dtype, dev, quantized)
+    kernels = select(dev, run_dtype, quantized)
     family = family_of(cfg.architecture)
     expected = {
         gguf_name(n, family.GGUF_NAMES): (n, shape) for n, shape in expected_shapes(cfg).items()
     }
     check_names(set(expected), {t.name for t in reader.tensors}, path)
     weights: dict[str, Weight] = {}
+    dequantized: Counter[str] = Counter()  # bytes grown by dequantizing, by type
     for tensor in reader.tensors:
         hf_name, shape = expected[tensor.name]
         check_shape(tensor.name, _shape(tensor), shape)
-        if tensor.tensor_type in INT4_TYPES:
-            quant = unpack(torch.from_numpy(tensor.data), tensor.tensor_type)
-            w = family.from_gguf(cfg, hf_name, quant).map_rows(lambda t: t.to(dev))
-        else:
-            w = family.from_gguf(cfg, hf_name, dequantize(tensor)).to(device=dev, dtype=run_dtype)
-        weights[hf_name] = w
-    decoder = build_decoder(cfg, weights, select(dev, run_dtype, quantized), quantize_fn, parallel)
+        w = _weight(tensor, kernels)
+        if tensor.tensor_type not in FLOAT_TYPES and isinstance(w, torch.Tensor):
+            grown = w.numel() * w.element_size() - int(tensor.n_bytes)
+            dequantized[tensor.tensor_type.name] += grown
+        weights[hf_name] = family.from_gguf(cfg, hf_name, w)
+    for name, grown in dequantized.items():
+        log.warning(
+            "GGUF %s weights have no kernel here: dequantized at load, %.0f MB more in memory",
+            name,
+            grown / 1e6,
+        )
+    quantize_fn = quantizer(quantize, group_size, kernels.gguf_blocks)
+    decoder = build_decoder(cfg, weights, kernels, quantize_fn, parallel)
     return decoder, tokenizer_from_gguf(reader)
 
 

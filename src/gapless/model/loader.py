@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -14,12 +14,13 @@ from tqdm import tqdm
 
 from gapless.device import tune_allocator
 from gapless.kernels import Kernels, Linear, resolve_dtype, select
-from gapless.kernels.quant import GroupQuant
+from gapless.kernels.linear import StackedLinear
+from gapless.kernels.quant import BlockQuant, GroupQuant, Quantized
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder
 from gapless.model.families import family_of
 from gapless.model.parallel import TensorParallel, shard_config, shard_weights
-from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE, quantizer
+from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE, Quantizer, quantizer
 
 
 class WeightError(ValueError):
@@ -107,16 +108,18 @@ def load_decoder(
     too), quantized round-to-nearest at load; embeddings and norms stay in dtype."""
     tune_allocator()  # before the probe's first oneDNN op
     path = Path(path)
-    quantize_fn = quantizer(quantize, group_size)
+    quantizer(quantize, group_size)  # a bad choice fails before the weights are read
     cfg = ModelConfig.from_pretrained(path)
     dev = torch.device(device)
     quantized = quantize is not None
     dt = resolve_dtype(dtype, dev, quantized)
+    kernels = select(dev, dt, quantized)
     weights = load_weights(path, cfg, dt, dev)
-    return build_decoder(cfg, weights, select(dev, dt, quantized), quantize_fn, parallel)
+    quantize_fn = quantizer(quantize, group_size, kernels.gguf_blocks)
+    return build_decoder(cfg, weights, kernels, quantize_fn, parallel)
 
 
-Weight = torch.Tensor | GroupQuant
+Weight = torch.Tensor | Quantized
 
 
 class Weights:
@@ -127,7 +130,7 @@ class Weights:
         self,
         weights: dict[str, Weight],
         kernels: Kernels,
-        quantize: Callable[[torch.Tensor], GroupQuant] | None,
+        quantize: Quantizer | None,
     ) -> None:
         self.weights = weights
         self.kernels = kernels
@@ -147,46 +150,45 @@ class Weights:
 
     def linear(self, *modules: str) -> Linear:
         """One linear of the modules' weights (and biases, where they have them) stacked by
-        output rows: q, k and v fused run as one matmul."""
-        weight = self._cat([m + ".weight" for m in modules])
-        bias = (
-            self._cat([m + ".bias" for m in modules])
-            if modules[0] + ".bias" in self.weights
-            else None
-        )
-        return self.kernels.linear(self.quantized(weight), bias)  # type: ignore[arg-type]
+        output rows: q, k and v fused run as one matmul. Weights of different forms cannot be
+        stacked (a Q4_K_M file keeps some attn_v in Q6_K beside Q4_K q and k): they run as one
+        linear each, their outputs concatenated."""
+        weights = [self.quantized(self.weights.pop(m + ".weight")) for m in modules]
+        has_bias = modules[0] + ".bias" in self.weights
+        biases = [self.weights.pop(m + ".bias") if has_bias else None for m in modules]
+        if len({(type(w), getattr(w, "qtype", None)) for w in weights}) > 1:
+            parts = [self.kernels.linear(w, b) for w, b in zip(weights, biases, strict=True)]
+            return StackedLinear(parts)
+        bias = torch.cat(biases) if has_bias else None  # type: ignore[arg-type]
+        return self.kernels.linear(_stacked(weights), bias)
 
-    def _cat(self, names: list[str]) -> Weight:
-        parts = [self.weights.pop(n) for n in names]
-        if len(parts) == 1:
-            return parts[0]
-        if isinstance(parts[0], GroupQuant):
-            return GroupQuant.cat(parts)  # type: ignore[arg-type]
-        return torch.cat(parts)  # type: ignore[arg-type]
+
+def _stacked(parts: list[Weight]) -> Weight:
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], GroupQuant | BlockQuant):
+        return type(parts[0]).cat(parts)  # type: ignore[arg-type]
+    return torch.cat(parts)  # type: ignore[arg-type]
 
 
 def build_decoder(
     cfg: ModelConfig,
     w: dict[str, Weight],
     kernels: Kernels,
-    quantize: Callable[[torch.Tensor], GroupQuant] | None = None,
+    quantize: Quantizer | None = None,
     parallel: TensorParallel | None = None,
 ) -> Decoder:
     """A Decoder from checked weights under Hugging Face names (the dict is consumed).
 
     Weights already quantized (from a GGUF file) run as they are; quantize, if given, turns
     the float weights of the linears into quantized ones. With `parallel`, of this rank's
-    shard, cut before any linear is built; a GGUF file's quantized tensors are dequantized
-    first (they are not sharded as they are).
+    shard, cut before any linear is built (parallel.shard_weights).
     """
     family = family_of(cfg.architecture)
     if hasattr(family, "split_fused"):
         w = family.split_fused(cfg, w)
     if parallel is not None:
-        w = {
-            n: t.dequantize(kernels.dtype) if isinstance(t, GroupQuant) else t for n, t in w.items()
-        }
-        w = shard_weights(cfg, w, parallel.rank, parallel.size)
+        w = shard_weights(cfg, w, parallel.rank, parallel.size, kernels.dtype)
         cfg = shard_config(cfg, parallel.size)
     weights = Weights(w, kernels, quantize)
     body = family.build(cfg, weights)
@@ -195,7 +197,7 @@ def build_decoder(
     lm_head = kernels.lm_head(
         weights.quantized(embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
     )
-    if isinstance(embed, GroupQuant):
+    if isinstance(embed, GroupQuant):  # torch's int ops have no lookup
         embed = embed.dequantize(kernels.dtype)
     if w:
         raise WeightError(f"{family.__name__} left tensor {next(iter(w))} unused")

@@ -3,7 +3,9 @@ collectives its forward needs.
 
 q/k/v and gate/up are split by output features (each rank owns whole heads and a slice of
 the MLP), o and down by input features: each rank's o and down produce a partial sum of the
-full hidden state, and one all-reduce per projection adds them. KV heads are split with their
+full hidden state, and one all-reduce per projection adds them. GGUF blocks are cut as they
+are, by whole rows, and by whole blocks of columns where a rank's columns start and end on a
+block; a weight whose columns would cut a block is dequantized first. KV heads are split with their
 query heads; when there are fewer KV heads than ranks, each rank keeps the one KV head its
 query heads read (replicated, as vLLM does). lm_head is split by vocabulary and rank 0
 gathers the logits. The embedding and the norms are replicated: they are small and need no
@@ -13,13 +15,17 @@ communication.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from gapless.kernels.quant import BlockQuant, GroupQuant
 from gapless.model.config import ModelConfig
+
+Weight = torch.Tensor | GroupQuant | BlockQuant
 
 
 class ShardError(ValueError):
@@ -89,9 +95,10 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
 
 
 def shard_weights(
-    cfg: ModelConfig, w: dict[str, torch.Tensor], rank: int, size: int
-) -> dict[str, torch.Tensor]:
-    """Replaces full weights under Hugging Face names by this rank's slices, in place."""
+    cfg: ModelConfig, w: dict[str, Weight], rank: int, size: int, dtype: torch.dtype
+) -> dict[str, Weight]:
+    """Replaces full weights under Hugging Face names by this rank's slices, in place; a
+    quantized weight that cannot be cut as it is is dequantized to dtype first."""
     local = shard_config(cfg, size)
     d = cfg.head_dim
     q_rows = slice(rank * local.num_heads * d, (rank + 1) * local.num_heads * d)
@@ -111,21 +118,45 @@ def shard_weights(
         # model.layers.{i}.{module}.{weight or bias}
         module, _, kind = name.split(".", 3)[-1].rpartition(".")
         if module in rows:
-            w[name] = w[name][rows[module]].clone()
+            w[name] = _rows(w[name], rows[module], dtype)
         elif module in columns and kind == "weight":
-            w[name] = w[name][:, columns[module]].contiguous()
+            w[name] = _columns(w[name], columns[module], dtype)
         elif module in columns and rank:
             del w[name]  # o's and down's bias: added once, by rank 0
     head = w.pop("lm_head.weight", None)
-    w["lm_head.weight"] = _vocab_slice(
-        w["model.embed_tokens.weight"] if head is None else head, rank, size
+    head = w["model.embed_tokens.weight"] if head is None else head
+    if isinstance(head, GroupQuant):
+        head = head.dequantize(dtype)
+    vocab_slice = functools.partial(_vocab_slice, rank=rank, size=size)
+    w["lm_head.weight"] = (
+        head.map_rows(vocab_slice) if isinstance(head, BlockQuant) else vocab_slice(head)
     )
     return w
 
 
+def _rows(weight: Weight, rows: slice, dtype: torch.dtype) -> Weight:
+    if isinstance(weight, BlockQuant):
+        return weight.map_rows(lambda t: t[rows].clone())
+    if isinstance(weight, GroupQuant):
+        weight = weight.dequantize(dtype)
+    return weight[rows].clone()
+
+
+def _columns(weight: Weight, columns: slice, dtype: torch.dtype) -> torch.Tensor | BlockQuant:
+    if isinstance(weight, BlockQuant):
+        try:
+            return weight.column_slice(columns)
+        except ValueError:
+            weight = weight.dequantize(dtype)
+    if isinstance(weight, GroupQuant):
+        weight = weight.dequantize(dtype)
+    return weight[:, columns].contiguous()
+
+
 def _vocab_slice(weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """Rows rank * n .. (rank + 1) * n of the vocabulary, n = ceil(vocab / size); the last
-    slice is padded with zero rows so that every rank gathers the same shape."""
+    slice is padded with zero rows (zero blocks: their scales are 0) so that every rank
+    gathers the same shape."""
     n = -(-weight.shape[0] // size)
     rows = weight[rank * n : (rank + 1) * n]
     if len(rows) == n:

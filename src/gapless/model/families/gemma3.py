@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from gapless.kernels import Linear
 from gapless.kernels.plans import KVCache
-from gapless.kernels.quant import GroupQuant
+from gapless.kernels.quant import Quantized
 from gapless.model.config import ConfigError, ModelConfig, base_fields, check_activation, parse_rope
 from gapless.model.decoder import Body, Rope, Step, apply_rope, rope_inv_freq
 from gapless.model.families import common
@@ -120,8 +120,8 @@ def tensor_shapes(cfg: Gemma3Config) -> Shapes:
 
 
 def from_gguf(
-    cfg: Gemma3Config, name: str, w: torch.Tensor | GroupQuant
-) -> torch.Tensor | GroupQuant:
+    cfg: Gemma3Config, name: str, w: torch.Tensor | Quantized
+) -> torch.Tensor | Quantized:
     """llama.cpp's converter stores Gemma's norms with the 1 of (1 + weight) added (as
     transformers' GGUF loader undoes too)."""
     return w - 1 if name.endswith("norm.weight") else w  # type: ignore[operator]

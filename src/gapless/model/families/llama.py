@@ -15,7 +15,7 @@ import torch
 
 from gapless.kernels import Linear
 from gapless.kernels.plans import KVCache
-from gapless.kernels.quant import GroupQuant
+from gapless.kernels.quant import Quantized
 from gapless.model.config import ModelConfig, base_fields, check_activation
 from gapless.model.decoder import Body, RMSNorm, Rope, Step, apply_rope, rms_norm, rope_inv_freq
 from gapless.model.families import common
@@ -94,15 +94,13 @@ def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)
 
 
-def from_gguf(
-    cfg: LlamaConfig, name: str, w: torch.Tensor | GroupQuant
-) -> torch.Tensor | GroupQuant:
+def from_gguf(cfg: LlamaConfig, name: str, w: torch.Tensor | Quantized) -> torch.Tensor | Quantized:
     """A GGUF tensor (under its Hugging Face name) as the checkpoint holds it."""
     heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}.get(name.split(".")[-2])
     if cfg.architecture != "LlamaForCausalLM" or heads is None:
         return w
     unpermute = functools.partial(unpermute_rope_rows, num_heads=heads)
-    return w.map_rows(unpermute) if isinstance(w, GroupQuant) else unpermute(w)
+    return w.map_rows(unpermute) if isinstance(w, Quantized) else unpermute(w)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gapless.kernels.quant import GroupQuant
+from gapless.kernels.quant import Quantized
 from gapless.model.config import ConfigError, base_fields, check_activation
 from gapless.model.decoder import Body, Rope, rope_inv_freq
 from gapless.model.families import common, llama
@@ -122,7 +122,7 @@ def split_fused(cfg: Phi3Config, w: dict[str, Weight]) -> dict[str, Weight]:
 
 
 def _rows(weight: Weight, start: int, end: int) -> Weight:
-    if isinstance(weight, GroupQuant):
+    if isinstance(weight, Quantized):
         return weight.map_rows(lambda t: t[start:end])
     return weight[start:end]
 
