@@ -15,7 +15,7 @@ from test_quantize import mean_kl, rel_err
 
 from gapless.kernels.linear import BlockLinear, Int4Linear, StackedLinear
 from gapless.kernels.quant import BlockQuant
-from gapless.model.gguf import INT4_TYPES, dequantize, load_gguf, unpack
+from gapless.model.gguf import dequantize, load_gguf, unpack
 from gapless.model.loader import WeightError, load_decoder
 from gapless.model.tokenizer import Tokenizer
 
