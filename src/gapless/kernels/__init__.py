@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gapless.kernels import blocks, paged
+from gapless.kernels import paged
 from gapless.kernels.linear import (
     BlockLinear,
     Int4Linear,
@@ -28,6 +28,7 @@ from gapless.kernels.linear import (
 from gapless.kernels.plans import AttentionLayout, AttentionPlan, KVCache, Planner, Span
 from gapless.kernels.probe import (
     cpu_flash_works,
+    gguf_blocks_work,
     int4_mm_works,
     int8_mm_works,
     machine,
@@ -210,7 +211,7 @@ def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) ->
         dtype,
         packed_linear=cpu and packed_linear_works(dtype),
         in_place_attention=cpu and cpu_flash_works(kv_dtype),
-        gguf_blocks=cpu and quantized and blocks.extension() is not None,
+        gguf_blocks=cpu and quantized and gguf_blocks_work(),
         paged_decode=cpu and paged_decode_works(kv_dtype),
         paged_prefill=paged_prefill,
         int8_dtype=None if fallback else _int_kernel_dtype(int8_mm_works, device, dtype),

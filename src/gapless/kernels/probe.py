@@ -150,3 +150,28 @@ def _paged_kernel_agrees(dtype: torch.dtype, n: int) -> bool:
         if not torch.allclose(got[b].float(), want, atol=2e-2, rtol=2e-2):
             return False
     return True
+
+
+@functools.cache
+def gguf_blocks_work() -> bool:
+    """Our GGUF block kernels build here, and a Q8_0 weight's products on them, decode rows
+    and a chunk's, agree with the float ones."""
+    import gguf
+
+    from gapless.kernels import blocks
+
+    if blocks.extension() is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 64, generator=gen), torch.randn(20, 64, generator=gen)
+    raw = torch.from_numpy(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0))
+    qtype = int(gguf.GGMLQuantizationType.Q8_0)
+    want = x @ blocks.dequantize(raw, qtype, 64).T
+    try:
+        decode, chunk = blocks.gemv(x[:3], raw, qtype), blocks.mm(x, raw, qtype)
+    except RuntimeError:
+        return False
+    # 8-bit activations: each input off by up to 1/254 of its block's largest.
+    return torch.allclose(decode, want[:3], atol=0.1, rtol=0.02) and torch.allclose(
+        chunk, want, atol=1e-4, rtol=1e-4
+    )
