@@ -59,6 +59,9 @@ class Admission:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text's ids, unless its length alone refuses it."""
         self.check_length(len(text))
+        return self._encode(text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
             return self.tokenizer.encode(text, add_special_tokens)
         except ValueError as e:  # text that is not valid Unicode
@@ -78,22 +81,40 @@ class Admission:
         except ValueError as e:  # no template, or the template rejected the conversation
             raise RequestError(str(e), "prompt", None) from e
 
-    def check_prompt(self, prompt: str | list[int]) -> CheckedPrompt:
+    def check_prompt(
+        self, prompt: str | list[int], output: bool = True, truncate: bool = False
+    ) -> CheckedPrompt:
         """A prompt's ids (a text is encoded), refused if empty, if they leave no room for
-        output in the context, or if one is outside the vocabulary."""
+        output in the context, or if one is outside the vocabulary.
+
+        An embedding's prompt (output=False) has no output, so it may fill the context; with
+        truncate, one longer than the context keeps its first tokens that fit instead."""
         if isinstance(prompt, CheckedPrompt):
             return prompt
+        most = self.max_model_len - 1 if output else self.max_model_len
         ids = prompt
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and truncate:
+            # Only the text's start is encoded: a cut that surely holds about twice the tokens
+            # kept, so that those lie far from the cut, where it encodes as the whole text.
+            cut = prompt[: 4 * self.tokenizer.max_token_chars * most]
+            ids = self._encode(cut) if cut else []
+        elif isinstance(prompt, str):
             # An empty text is an empty prompt, even where the tokenizer would add BOS to it.
             ids = self.encode(prompt) if prompt else []
         if not ids:
             raise RequestError("the prompt is empty", "prompt", None)
-        if len(ids) >= self.max_model_len:
+        if truncate:
+            ids = ids[:most]
+        if len(ids) > most:
+            if output:
+                context = (
+                    f"{self.max_model_len} tokens, prompt and output together (at most "
+                    f"{most} leave room for output)"
+                )
+            else:
+                context = f"{self.max_model_len} tokens"
             raise RequestError(
-                f"the prompt has {len(ids)} tokens, but this model's context is "
-                f"{self.max_model_len} tokens, prompt and output together (at most "
-                f"{self.max_model_len - 1} leave room for output)",
+                f"the prompt has {len(ids)} tokens, but this model's context is {context}",
                 "prompt",
                 CONTEXT_LENGTH_EXCEEDED,
             )

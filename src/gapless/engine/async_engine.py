@@ -67,20 +67,42 @@ class AsyncEngine:
         Raises RequestError / QueueFull / EngineFailed at once. If the consumer stops iterating
         early (a client disconnect), the request is cancelled.
         """
+        return self._open(
+            request_id, params.n, lambda rid: self.engine.add_request(prompt, params, rid)
+        )
+
+    def embed(
+        self,
+        prompts: list[str | list[int]],
+        request_id: str | None = None,
+        pooling: str | None = None,
+    ) -> AsyncIterator[Event]:
+        """Adds an embedding request now (Engine.add_embedding) and returns its events,
+        ending with the last of its prompts' FinishedEvents; as stream() otherwise."""
+        return self._open(
+            request_id,
+            len(prompts),
+            lambda rid: self.engine.add_embedding(prompts, rid, pooling),
+        )
+
+    def _open(
+        self, request_id: str | None, n: int, add: Callable[[str], object]
+    ) -> AsyncIterator[Event]:
+        """The events of a request of n sequences that add(request_id) adds."""
         if self.failure is not None:
             raise EngineFailed(self.failure)
         queue: asyncio.Queue[Event] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
         # Registered before the engine can see the request, so no event is missed.
-        self._streams[request_id] = (loop, queue, [params.n])
+        self._streams[request_id] = (loop, queue, [n])
         try:
-            self.engine.add_request(prompt, params, request_id)
+            add(request_id)
         except Exception:
             del self._streams[request_id]
             raise
         self._wake.set()
-        return self._events(request_id, queue, params.n)
+        return self._events(request_id, queue, n)
 
     async def _events(
         self, request_id: str, queue: asyncio.Queue[Event], n: int

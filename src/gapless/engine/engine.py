@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from gapless.device import rank_device
 from gapless.engine import distributed
@@ -24,7 +25,7 @@ from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEven
 from gapless.engine.metrics import EngineMetrics
 from gapless.engine.options import check, option, split
 from gapless.engine.output import OutputStream
-from gapless.engine.request import Request, RequestState
+from gapless.engine.request import POOLINGS, Request, RequestState
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampler import SamplingState, TokenCounts, sample, top_logprobs
 from gapless.engine.sampling_params import SamplingParams
@@ -112,6 +113,13 @@ class EngineConfig:
         positive=True,
         metavar="N",
         section=distributed.TENSOR_PARALLELISM,
+    )
+    pooling: str = option(
+        "last",
+        "how an embedding pools the final hidden states: the last token's (as decoder "
+        "embedding models such as Qwen3-Embedding) or the mean over the prompt; then "
+        "L2-normalized",
+        choices=POOLINGS,
     )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -262,15 +270,56 @@ class Engine:
         ]
         first = choices[0]
         first.forks = choices[1:]
+        self._queue(request_id, choices, [first])
+        return request_id
+
+    def add_embedding(
+        self,
+        prompts: list[str | list[int]],
+        request_id: str | None = None,
+        pooling: str | None = None,
+        progress_callback: Callable[[ProgressEvent], None] | None = None,
+    ) -> str:
+        """Queues an embedding request (thread-safe): one sequence per prompt under one id.
+        Each prompt prefills in chunks beside the running decodes, as any prompt does, then
+        ends, sampling nothing: its FinishedEvent (`index` its position in prompts) carries
+        its hidden states after the final norm, pooled (`pooling`, default the engine's) and
+        L2-normalized. A prompt may fill the whole context, as it has no output."""
+        pooling = pooling or self.config.pooling
+        if pooling not in POOLINGS:
+            raise RequestError(f"pooling must be one of {', '.join(POOLINGS)}", "pooling")
+        if not prompts:
+            raise RequestError("there is no prompt to embed", "prompt", None)
+        checked = [self.admission.check_prompt(p, output=False) for p in prompts]
+        request_id = request_id or uuid.uuid4().hex
+        params = SamplingParams(max_tokens=0)
+        sequences = [
+            Request(
+                request_id,
+                list(ids),
+                params,
+                progress_callback,
+                self.whole_prefill,
+                index=i,
+                output=OutputStream(self.tokenizer, params),
+                pooling=pooling,
+            )
+            for i, ids in enumerate(checked)
+        ]
+        self._queue(request_id, sequences, sequences)
+        return request_id
+
+    def _queue(self, request_id: str, sequences: list[Request], incoming: list[Request]) -> None:
+        """Registers a request's sequences under its id; `incoming` start at the next step."""
         with self._lock:
             if request_id in self._requests:
                 raise RequestError(f"request id {request_id!r} is already in use", "request_id")
             limit = self.config.max_queue
-            if limit is not None and len(self.scheduler.waiting) + len(self._incoming) >= limit:
+            queued = len(self.scheduler.waiting) + len(self._incoming)
+            if limit is not None and queued + len(incoming) > limit:
                 raise QueueFull(f"the queue is full ({limit} waiting requests)")
-            self._requests[request_id] = choices
-            self._incoming.append(first)
-        return request_id
+            self._requests[request_id] = sequences
+            self._incoming.extend(incoming)
 
     def _choice(
         self,
@@ -402,12 +451,17 @@ class Engine:
         in_prompt = req.num_computed < len(req.prompt_ids)
         if in_prompt and req.params.prompt_logprobs is not None:
             self._record_prompt_logprobs(req, req.num_computed, rows)
+        if req.pooling is not None:
+            self._pool(req, req.num_computed, rows[0])
         req.num_computed += chunk.num_tokens
         self.scheduler.register_computed_blocks(req)
         if in_prompt and req.first_token_time is None:
             processed = min(req.num_computed, len(req.prompt_ids))
             self._emit(events, req, ProgressEvent(req.request_id, processed, len(req.prompt_ids)))
         if req.num_computed < req.num_tokens:
+            return []
+        if req.pooling is not None:
+            self._finish(events, req, "stop", embedding=self._embedding(req))
             return []
         if req.params.max_tokens == 0:
             self._finish(events, req, "length")
@@ -420,6 +474,24 @@ class Engine:
         req.forks = []
         self.runner.copy_blocks(copies)
         return [req, *forked]
+
+    @staticmethod
+    def _pool(req: Request, start: int, hidden: torch.Tensor) -> None:
+        """Books an embedding chunk's hidden state (runner.execute): the last token's, or
+        (mean) the sum of the chunk's, added to the sum so far. A mean-pooled prompt reads no
+        prefix cache, so it always starts again from its first token (after a preemption
+        too)."""
+        if req.pooling == "mean" and start > 0:
+            req.pooled = req.pooled + hidden
+        else:
+            req.pooled = hidden
+
+    @staticmethod
+    def _embedding(req: Request) -> list[float]:
+        pooled = req.pooled
+        if req.pooling == "mean":
+            pooled = pooled / len(req.prompt_ids)
+        return F.normalize(pooled, dim=-1).tolist()
 
     def _sample(
         self, events: list[Event], batch: list[tuple[Request, torch.Tensor]]
@@ -516,7 +588,12 @@ class Engine:
         self.metrics.generation_tokens += 1
 
     def _finish(
-        self, events: list[Event], req: Request, reason: str, error: str | None = None
+        self,
+        events: list[Event],
+        req: Request,
+        reason: str,
+        error: str | None = None,
+        embedding: list[float] | None = None,
     ) -> None:
         if req.state is RequestState.FINISHED:
             return  # a fork already ended with the choice it waited on
@@ -549,8 +626,10 @@ class Engine:
                 preempted=req.preemptions,
                 timings=self._timings(req),
                 index=req.index,
+                embedding=embedding,
             ),
         )
+        req.pooled = None
         # Choices still waiting to fork from this one end with it: they have no prompt KV.
         forks, req.forks = req.forks, []
         for fork in forks:

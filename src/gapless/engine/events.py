@@ -34,7 +34,8 @@ class TokenEvent:
 
 @dataclass
 class FinishedEvent:
-    """The last event of one choice. finish_reason: stop, length, cancelled or error."""
+    """The last event of one choice (of an embedding request: of one of its prompts, `index`
+    its position). finish_reason: stop, length, cancelled or error."""
 
     request_id: str
     finish_reason: str
@@ -47,6 +48,8 @@ class FinishedEvent:
     preempted: int = 0  # times the request was preempted and recomputed
     timings: dict[str, float] = field(default_factory=dict)
     index: int = 0  # which of the request's n choices; the request ends when all n have
+    # An embedding request's vector (L2-normalized), when it finished with "stop".
+    embedding: list[float] | None = None
 
 
 Event = ProgressEvent | TokenEvent | FinishedEvent

@@ -25,8 +25,8 @@ class RequestOutput:
 
 
 class LLM:
-    """`LLM(path, **options).generate(prompts, params)`; options as EngineConfig.of takes
-    them (engine/options.py lists where they are declared).
+    """`LLM(path, **options).generate(prompts, params)` or `.embed(prompts)`; options as
+    EngineConfig.of takes them (engine/options.py lists where they are declared).
 
     Under tensor parallelism its worker ranks are processes: `close()` ends them, as does
     leaving a `with LLM(...) as llm:` block, garbage collection, or this process's exit."""
@@ -43,6 +43,23 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def embed(
+        self, prompts: str | list[str] | list[list[int]], pooling: str | None = None
+    ) -> list[list[float]]:
+        """One L2-normalized vector per prompt: the hidden states after the final norm, pooled
+        as `pooling` says (default: the `pooling` option, `last` unless set)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        rid = self.engine.add_embedding(list(prompts), pooling=pooling)
+        vectors: dict[int, list[float]] = {}
+        while len(vectors) < len(prompts):
+            for event in self.engine.step():
+                if isinstance(event, FinishedEvent) and event.request_id == rid:
+                    if event.embedding is None:
+                        raise RuntimeError(f"request {rid} failed: {event.error}")
+                    vectors[event.index] = event.embedding
+        return [vectors[i] for i in range(len(prompts))]
 
     def generate(
         self,

@@ -18,7 +18,14 @@ from gapless.engine.sampler import SamplingState
 from gapless.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from gapless.engine.output import OutputStream
+
+# How an embedding request pools its prompt's hidden states after the final norm into one
+# vector, which is then L2-normalized: `last`, the last token's (decoder embedding models such
+# as Qwen3-Embedding are trained for it), or `mean`, the average over every prompt token.
+POOLINGS = ("last", "mean")
 
 
 class RequestState(enum.Enum):
@@ -41,6 +48,8 @@ class Request:
     index: int = 0  # which of the request's n choices
     sampling: SamplingState | None = None  # None: plain SamplingState(params)
     output: OutputStream | None = None  # None: no text is rendered (runner-level use)
+    # An embedding request's pooling (POOLINGS): it samples no token and ends with its prompt.
+    pooling: str | None = None
 
     # The scheduler's.
     state: RequestState = RequestState.WAITING
@@ -56,6 +65,8 @@ class Request:
     # The engine's.
     output_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # An embedding request's: the last token's hidden state, or (mean) the sum so far.
+    pooled: torch.Tensor | None = None
     # The other choices, until this one's prompt is computed and they share its KV blocks.
     forks: list[Request] = field(default_factory=list)
     first_scheduled_time: float | None = None
@@ -74,6 +85,12 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def reads_every_prompt_row(self) -> bool:
+        """Whether the output of every prompt token is read (prompt logprobs, mean pooling):
+        then the prefix cache may serve none of the prompt, as cached tokens have no output."""
+        return self.params.prompt_logprobs is not None or self.pooling == "mean"
 
     @property
     def is_decoding(self) -> bool:

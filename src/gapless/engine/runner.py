@@ -22,10 +22,19 @@ class ChunkInput:
     start: int  # the position of the first token
     block_table: list[int]  # the sequence's blocks, up to the one its last token is in
     all_logits: bool  # return the logits of every token, not only the last one's
+    # An embedding request's chunk returns, instead of logits, its hidden states after the
+    # final norm: its last token's ("last") or the sum of its tokens' ("sum").
+    hidden: str | None = None
 
     @property
     def num_rows(self) -> int:
         return len(self.token_ids) if self.all_logits else 1
+
+    @property
+    def num_hidden_rows(self) -> int:
+        if self.hidden is None:
+            return 0
+        return 1 if self.hidden == "last" else len(self.token_ids)
 
 
 class ModelRunner:
@@ -86,35 +95,50 @@ class ModelRunner:
         """Runs the chunks in one forward pass.
 
         Returns for each chunk the logits of its last token, or of every token when its index
-        is in all_logits (prompt logprobs).
+        is in all_logits (prompt logprobs). An embedding request's chunk returns instead its
+        hidden states after the final norm, float32 [1, hidden]: its last token's (pooling
+        `last`), or the sum of its tokens' (`mean`).
         """
         # Decodes go first so that they form one contiguous block of rows: one attention call.
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_tokens != 1)
         inputs = [self._input(chunks[i], i in all_logits) for i in order]
-        logits = self.run(inputs).split([c.num_rows for c in inputs])
+        all_logits_rows, all_hidden = self.run(inputs)
+        logits = all_logits_rows.split([c.num_rows for c in inputs])
+        hidden = ()
+        if all_hidden is not None:
+            hidden = all_hidden.split([c.num_hidden_rows for c in inputs])
         by_chunk: list[torch.Tensor] = [logits[0]] * len(chunks)
         for position, i in enumerate(order):
-            by_chunk[i] = logits[position]
+            if inputs[position].hidden is None:
+                by_chunk[i] = logits[position]
+            else:  # one row for "last"
+                by_chunk[i] = hidden[position].sum(0, keepdim=True)
         return by_chunk
 
-    def run(self, inputs: list[ChunkInput]) -> torch.Tensor:
-        """One forward over the inputs' rows. Under tensor parallelism, rank 0 first sends
-        them to the other ranks, which call this with them; then any failure is a rank's."""
+    def run(self, inputs: list[ChunkInput]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over the inputs' rows: the logits of their logit rows, and the hidden
+        states of their hidden rows (None if none has any). Under tensor parallelism, rank 0
+        first sends them to the other ranks, which call this with them; then any failure is
+        a rank's."""
         parallel = self.decoder.parallel
-        if parallel is None:
-            return self.decoder.forward(self._build(inputs), self.kv_cache)
         try:
-            if parallel.rank == 0:
+            if parallel is not None and parallel.rank == 0:
                 parallel.broadcast(inputs)
-            return self.decoder.forward(self._build(inputs), self.kv_cache)
+            batch = self._build(inputs)
+            return self.decoder.forward(batch, self.kv_cache), batch.hidden
         except Exception as exc:
+            if parallel is None:
+                raise
             raise RankFailed(parallel.diagnose(exc)) from exc
 
     def _input(self, chunk: ScheduledChunk, all_logits: bool) -> ChunkInput:
         req, start = chunk.request, chunk.request.num_computed
         end = start + chunk.num_tokens
         table = req.block_table[: -(-end // self.block_size)]
-        return ChunkInput(req.tokens(start, end), start, table, all_logits)
+        hidden = None
+        if req.pooling is not None:
+            hidden = "sum" if req.pooling == "mean" else "last"
+        return ChunkInput(req.tokens(start, end), start, table, all_logits, hidden)
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -125,6 +149,7 @@ class ModelRunner:
         positions: list[int] = []
         write_slots: list[int] = []
         logit_rows: list[int] = []
+        hidden_rows: list[int] = []
         spans: list[Span] = []
         for chunk in inputs:
             start, n = chunk.start, len(chunk.token_ids)
@@ -133,6 +158,7 @@ class ModelRunner:
             positions += range(start, start + n)
             write_slots += self._slots(chunk.block_table, start, start + n)
             logit_rows += range(row, row + n) if chunk.all_logits else [row + n - 1]
+            hidden_rows += range(row + n - chunk.num_hidden_rows, row + n)
             spans.append(Span(row, start, n, chunk.block_table))
         dev = self.decoder.device
         return BatchInput(
@@ -141,4 +167,5 @@ class ModelRunner:
             write_slots=torch.tensor(write_slots, device=dev),
             attention=self.kernels.plan_attention(self.attention_layout, spans),
             logit_rows=torch.tensor(logit_rows, device=dev),
+            hidden_rows=torch.tensor(hidden_rows, device=dev) if hidden_rows else None,
         )

@@ -214,8 +214,9 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs:
             return False
         bs = self.pool.block_size
-        if self.config.enable_prefix_cache and request.params.prompt_logprobs is None:
-            # Recompute at least the last token: its logits pick the first output token.
+        if self.config.enable_prefix_cache and not request.reads_every_prompt_row:
+            # Recompute at least the last token: its logits pick the first output token (an
+            # embedding pooled from the last token reads its hidden state).
             hashes = block_hashes(request.tokens(0, request.num_tokens), bs)
             cached = match_prefix(self.pool, hashes, (request.num_tokens - 1) // bs)
         else:
