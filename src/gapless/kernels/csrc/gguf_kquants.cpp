@@ -139,8 +139,427 @@ constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
 // bytes of ql for 128 values (low nibbles of all 64, then high), and 32 bytes of qh whose
 // bits 2 s give the top bits of value 32 s + i. A "group" below is 32 consecutive values.
 
+#if defined(__AVX2__)
 // ---------------------------------------------------------------------------------------
-// dequantize: plain loops the compiler vectorizes; each value as the reference computes it.
+// Vector paths. Each type unpacks a block as 8 groups of 32 codes, one byte each, in a
+// register (its `groups`); the dot multiplies them with the activations, dequantize turns
+// them into floats. The codes are unsigned for the dots (Q3_K and Q6_K stored + centre);
+// IQ4_XS's are its signed values.
+
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline __m128i load16(const void* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+
+inline __m256i bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+
+struct Q2K {
+  template <class F>
+  static void groups(const uint8_t* b, F f) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256i qs = load32(b + 16 + 32 * h);
+      for (int s = 0; s < 4; ++s)
+        f(4 * h + s, _mm256_and_si256(_mm256_srli_epi16(qs, 2 * s), bytes(3)));
+    }
+  }
+};
+
+struct Q3K {
+  static constexpr int kCentre = 4;
+  // 2 low bits from qs, and 4 where hmask's bit is set (code + 4). Group g's hmask bit is
+  // bit g of each byte: shifted down one a group (16-bit shifts: a byte's low bit stays its
+  // own for 8 shifts).
+  template <class F>
+  static void groups(const uint8_t* b, F f) {
+    __m256i hm = load32(b);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i qs = load32(b + 32 + 32 * h);
+      for (int s = 0; s < 4; ++s) {
+        f(4 * h + s, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 2 * s), bytes(3)),
+                                     _mm256_and_si256(_mm256_slli_epi16(hm, 2), bytes(4))));
+        hm = _mm256_srli_epi16(hm, 1);
+      }
+    }
+  }
+};
+
+struct Q4K {
+  static constexpr int64_t kBytes = 144;
+  template <class F>
+  static void groups(const uint8_t* b, F f) {
+    for (int c = 0; c < 4; ++c) {
+      const __m256i qs = load32(b + 16 + 32 * c);
+      f(2 * c, _mm256_and_si256(qs, bytes(0x0f)));
+      f(2 * c + 1, _mm256_and_si256(_mm256_srli_epi16(qs, 4), bytes(0x0f)));
+    }
+  }
+};
+
+struct Q5K {
+  static constexpr int64_t kBytes = 176;
+  // Group g's fifth bits are bit g of qh's bytes: shifted down two a chunk, bits 0 and 1 of
+  // every byte are the chunk's.
+  template <class F>
+  static void groups(const uint8_t* b, F f) {
+    __m256i qh = load32(b + 16);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i qs = load32(b + 48 + 32 * c);
+      f(2 * c, _mm256_or_si256(_mm256_and_si256(qs, bytes(0x0f)),
+                               _mm256_and_si256(_mm256_slli_epi16(qh, 4), bytes(0x10))));
+      f(2 * c + 1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 4), bytes(0x0f)),
+                                   _mm256_and_si256(_mm256_slli_epi16(qh, 3), bytes(0x10))));
+      qh = _mm256_srli_epi16(qh, 2);
+    }
+  }
+};
+
+struct Q6K {
+  static constexpr int kCentre = 32;
+  template <class F>
+  static void groups(const uint8_t* b, F f) {
+    const __m256i low4 = bytes(0x0f), high2 = bytes(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = load32(b + 64 * h), l1 = load32(b + 64 * h + 32);
+      const __m256i qh = load32(b + 128 + 32 * h);
+      f(4 * h, _mm256_or_si256(_mm256_and_si256(l0, low4),
+                               _mm256_and_si256(_mm256_slli_epi16(qh, 4), high2)));
+      f(4 * h + 1, _mm256_or_si256(_mm256_and_si256(l1, low4),
+                                   _mm256_and_si256(_mm256_slli_epi16(qh, 2), high2)));
+      f(4 * h + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                   _mm256_and_si256(qh, high2)));
+      f(4 * h + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)));
+    }
+  }
+};
+
+struct Iq4Xs {
+  // Sub-block j's codes: low nibbles of its 16 bytes, then high, looked up as signed values.
+  template <class F>
+  static void groups(const uint8_t* b, F f) {
+    const __m256i table = _mm256_broadcastsi128_si256(load16(kIq4Values));
+    for (int j = 0; j < 8; ++j) {
+      const __m128i q = load16(b + 8 + 16 * j);
+      const __m256i codes = _mm256_and_si256(
+          _mm256_inserti128_si256(_mm256_castsi128_si256(q), _mm_srli_epi16(q, 4), 1),
+          bytes(0x0f));
+      f(j, _mm256_shuffle_epi8(table, codes));
+    }
+  }
+};
+
+// --- dequantize: the codes to floats, d * sc and dmin * m computed first, as scalars, and
+// each value then rounded twice (a multiply, then a subtract), as the reference rounds it.
+
+// out[i] = dl * code i (- ml) for 16 signed byte codes.
+template <bool kMin>
+inline void put16(float* out, __m128i codes, float dl, float ml) {
+#if defined(__AVX512F__)
+  __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), _mm512_set1_ps(dl));
+  if constexpr (kMin) v = _mm512_sub_ps(v, _mm512_set1_ps(ml));
+  _mm512_storeu_ps(out, v);
+#else
+  for (int h = 0; h < 2; ++h) {
+    const __m128i c = h ? _mm_srli_si128(codes, 8) : codes;
+    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), _mm256_set1_ps(dl));
+    if constexpr (kMin) v = _mm256_sub_ps(v, _mm256_set1_ps(ml));
+    _mm256_storeu_ps(out + 8 * h, v);
+  }
+#endif
+}
+
+inline __m128i low128(__m256i v) { return _mm256_castsi256_si128(v); }
+inline __m128i high128(__m256i v) { return _mm256_extracti128_si256(v, 1); }
+
+// Q4_K/Q5_K: a scale and minimum per 32 values.
+template <class T>
+void dequantize_q45k(const uint8_t* b, float* out, int64_t nblocks) {
+  for (int64_t n = 0; n < nblocks; ++n, b += T::kBytes, out += 256) {
+    const float d = f16_at(b), dmin = f16_at(b + 2);
+    uint8_t sm[16];
+    q4k_scales(b + 4, sm);
+    float dl[8], ml[8];
+    for (int j = 0; j < 8; ++j) {
+      dl[j] = d * static_cast<float>(sm[j]);
+      ml[j] = dmin * static_cast<float>(sm[8 + j]);
+    }
+    T::groups(b, [&](int g, __m256i u) {
+      put16<true>(out + 32 * g, low128(u), dl[g], ml[g]);
+      put16<true>(out + 32 * g + 16, high128(u), dl[g], ml[g]);
+    });
+  }
+}
+
+void dequantize_q4k(const uint8_t* b, float* out, int64_t nblocks) {
+  dequantize_q45k<Q4K>(b, out, nblocks);
+}
+
+void dequantize_q5k(const uint8_t* b, float* out, int64_t nblocks) {
+  dequantize_q45k<Q5K>(b, out, nblocks);
+}
+
+void dequantize_q2k(const uint8_t* b, float* out, int64_t nblocks) {
+  for (int64_t n = 0; n < nblocks; ++n, b += 84, out += 256) {
+    const float d = f16_at(b + 80), dmin = f16_at(b + 82);
+    float dl[16], ml[16];
+    for (int j = 0; j < 16; ++j) {
+      dl[j] = d * static_cast<float>(b[j] & 0x0f);
+      ml[j] = dmin * static_cast<float>(b[j] >> 4);
+    }
+    Q2K::groups(b, [&](int g, __m256i u) {
+      put16<true>(out + 32 * g, low128(u), dl[2 * g], ml[2 * g]);
+      put16<true>(out + 32 * g + 16, high128(u), dl[2 * g + 1], ml[2 * g + 1]);
+    });
+  }
+}
+
+// Q3_K/Q6_K: a signed scale per 16 values, codes centred.
+template <class T>
+inline void put_centred(float* out, const float* dl, int g, __m256i u) {
+  const __m256i c = _mm256_sub_epi8(u, bytes(T::kCentre));
+  put16<false>(out + 32 * g, low128(c), dl[2 * g], 0.0f);
+  put16<false>(out + 32 * g + 16, high128(c), dl[2 * g + 1], 0.0f);
+}
+
+void dequantize_q3k(const uint8_t* b, float* out, int64_t nblocks) {
+  for (int64_t n = 0; n < nblocks; ++n, b += 110, out += 256) {
+    const float d = f16_at(b + 108);
+    int8_t sc[16];
+    q3k_scales(b + 96, sc);
+    float dl[16];
+    for (int j = 0; j < 16; ++j) dl[j] = d * static_cast<float>(sc[j]);
+    Q3K::groups(b, [&](int g, __m256i u) { put_centred<Q3K>(out, dl, g, u); });
+  }
+}
+
+void dequantize_q6k(const uint8_t* b, float* out, int64_t nblocks) {
+  for (int64_t n = 0; n < nblocks; ++n, b += 210, out += 256) {
+    const float d = f16_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    float dl[16];
+    for (int j = 0; j < 16; ++j) dl[j] = d * static_cast<float>(sc[j]);
+    Q6K::groups(b, [&](int g, __m256i u) { put_centred<Q6K>(out, dl, g, u); });
+  }
+}
+
+void dequantize_iq4xs(const uint8_t* b, float* out, int64_t nblocks) {
+  for (int64_t n = 0; n < nblocks; ++n, b += 136, out += 256) {
+    const float d = f16_at(b);
+    int8_t sc[8];
+    iq4xs_scales(b, sc);
+    float dl[8];
+    for (int j = 0; j < 8; ++j) dl[j] = d * static_cast<float>(sc[j]);
+    Iq4Xs::groups(b, [&](int j, __m256i w) {
+      put16<false>(out + 32 * j, low128(w), dl[j], 0.0f);
+      put16<false>(out + 32 * j + 16, high128(w), dl[j], 0.0f);
+    });
+  }
+}
+
+// --- dots
+
+inline __m256i bsums(const ActQ8K& a) { return load32(a.bsums); }
+
+// acc + the 8 int32 sums of four u * q products, each pair of int16 lanes of maddubs' times
+// its scale lane. maddubs cannot saturate: u <= 63 and |q| <= 127.
+inline __m256i dot_scaled(__m256i acc, __m256i u, __m256i q, __m256i scales16) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, q);
+#if defined(GGUF_K_VNNI)
+  return _mm256_dpwssd_epi32(acc, pairs, scales16);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales16));
+#endif
+}
+
+// A block's integer sum, kept in two chains of accumulators (a block is too short for one
+// to hide dpwssd's latency), as floats.
+inline __m256 as_float(const __m256i sumi[2]) {
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[0], sumi[1]));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Scales are unpacked in registers, never through memory: a block's scale work is as long
+// as its dot products.
+inline __m128i words_v(const uint32_t u[4]) {
+  return _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]), static_cast<int>(u[1]),
+                       static_cast<int>(u[0]));
+}
+
+// Types with a scale per 32 values (Q4_K, Q5_K, IQ4_XS) hold their 8 scales as int16 in both
+// 128-bit halves; sub-block j's scale in every lane is then one shuffle, where a broadcast
+// from memory or a general register takes two or three instructions.
+inline __m256i sub_scale(__m256i sc16, int j) {
+  return _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<short>(0x0100 + 0x0202 * j)));
+}
+
+// Types with a scale per 16 values (Q2_K, Q3_K, Q6_K) hold their 16 as int16 [16]. Group g
+// of 32 values (sub-blocks 2g, 2g + 1) takes lane 2g's scale in the low 128 bits, 2g + 1's
+// in the high: from lanes 8h..8h+7 in both halves (h = g / 4), bytes (4 (g % 4), + 1)
+// repeated low, (4 (g % 4) + 2, + 3) high.
+struct GroupScales {
+  __m256i half[2];
+  explicit GroupScales(__m256i sc16)
+      : half{_mm256_permute4x64_epi64(sc16, 0x44), _mm256_permute4x64_epi64(sc16, 0xee)} {}
+  __m256i operator()(int g) const {
+    const __m256i pick = _mm256_add_epi8(
+        _mm256_set_epi64x(0x0302030203020302, 0x0302030203020302, 0x0100010001000100,
+                          0x0100010001000100),
+        bytes(4 * (g % 4)));
+    return _mm256_shuffle_epi8(half[g / 4], pick);
+  }
+};
+
+// Q4_K/Q5_K's scales (bytes 0..7) and minimums (8..15).
+inline __m128i q4k_scales_v(const uint8_t* packed) {
+  uint32_t u[4];
+  q4k_words(packed, u);
+  return words_v(u);
+}
+
+// Q3_K's 16 scales, centred, as int16.
+inline __m256i q3k_scales16(const uint8_t* packed) {
+  uint32_t u[4];
+  q3k_words(packed, u);
+  return _mm256_cvtepi8_epi16(_mm_sub_epi8(words_v(u), _mm_set1_epi8(32)));
+}
+
+// IQ4_XS's 8 scales, centred, as int16 in both 128-bit halves. Scale j's top bits are bits
+// 2j of a uint16: a multiply by 2^(14 - 2j) brings them to the top of lane j.
+inline __m256i iq4xs_scales16(const uint8_t* b) {
+  uint16_t high;
+  uint32_t low;
+  std::memcpy(&high, b + 2, sizeof high);
+  std::memcpy(&low, b + 4, sizeof low);
+  const __m128i l = _mm_cvtsi32_si128(static_cast<int>(low)), nib = _mm_set1_epi8(0x0f);
+  const __m128i low8 =
+      _mm_unpacklo_epi8(_mm_and_si128(l, nib), _mm_and_si128(_mm_srli_epi16(l, 4), nib));
+  const __m128i top = _mm_srli_epi16(
+      _mm_mullo_epi16(_mm_set1_epi16(static_cast<short>(high)),
+                      _mm_set_epi16(1, 4, 16, 64, 256, 1024, 4096, 16384)),
+      14);
+  const __m128i sc = _mm_or_si128(_mm_cvtepu8_epi16(low8), _mm_slli_epi16(top, 4));
+  return _mm256_broadcastsi128_si256(_mm_sub_epi16(sc, _mm_set1_epi16(32)));
+}
+
+template <class T>
+float dot_q45k(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+  for (int64_t n = 0; n < nblocks; ++n, row += T::kBytes) {
+    const float d = f16_at(row) * a[n].d, dmin = f16_at(row + 2) * a[n].d;
+    const __m128i sm = q4k_scales_v(row + 4);
+    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    // The minimums: m_j * (bsum 2j + bsum 2j + 1).
+    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+    const __m256i m = _mm256_madd_epi16(bsums(a[n]), m16);
+    accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), accm);
+    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    T::groups(row, [&](int g, __m256i u) {
+      sumi[g & 1] = dot_scaled(sumi[g & 1], u, load32(a[n].q + 32 * g), sub_scale(sc16, g));
+    });
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
+  }
+  return hsum(_mm256_sub_ps(acc, accm));
+}
+
+float dot_q4k(const uint8_t* row, const void* act, int64_t nblocks) {
+  return dot_q45k<Q4K>(row, act, nblocks);
+}
+
+float dot_q5k(const uint8_t* row, const void* act, int64_t nblocks) {
+  return dot_q45k<Q5K>(row, act, nblocks);
+}
+
+// Q3_K/Q6_K: codes taken unsigned, code + centre, which comes back out as
+// centre * sum_j sc_j bsum_j.
+template <class T>
+inline __m256i centred_start(__m256i sc16, const ActQ8K& a) {
+  const __m256i centre = _mm256_mullo_epi32(_mm256_madd_epi16(bsums(a), sc16),
+                                            _mm256_set1_epi32(T::kCentre));
+  return _mm256_sub_epi32(_mm256_setzero_si256(), centre);
+}
+
+float dot_q6k(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t n = 0; n < nblocks; ++n, row += 210) {
+    const float d = f16_at(row + 208) * a[n].d;
+    const __m256i sc16 = _mm256_cvtepi8_epi16(load16(row + 192));
+    const GroupScales scale(sc16);
+    __m256i sumi[2] = {centred_start<Q6K>(sc16, a[n]), _mm256_setzero_si256()};
+    Q6K::groups(row, [&](int g, __m256i u) {
+      sumi[g & 1] = dot_scaled(sumi[g & 1], u, load32(a[n].q + 32 * g), scale(g));
+    });
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
+  }
+  return hsum(acc);
+}
+
+float dot_q3k(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t n = 0; n < nblocks; ++n, row += 110) {
+    const float d = f16_at(row + 108) * a[n].d;
+    const __m256i sc16 = q3k_scales16(row + 96);
+    const GroupScales scale(sc16);
+    __m256i sumi[2] = {centred_start<Q3K>(sc16, a[n]), _mm256_setzero_si256()};
+    Q3K::groups(row, [&](int g, __m256i u) {
+      sumi[g & 1] = dot_scaled(sumi[g & 1], u, load32(a[n].q + 32 * g), scale(g));
+    });
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
+  }
+  return hsum(acc);
+}
+
+float dot_q2k(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+  for (int64_t n = 0; n < nblocks; ++n, row += 84) {
+    const float d = f16_at(row + 80) * a[n].d, dmin = f16_at(row + 82) * a[n].d;
+    const __m128i s = load16(row), low4 = _mm_set1_epi8(0x0f);
+    const __m256i sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s, low4));
+    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), low4));
+    accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin),
+                           _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums(a[n]), m16)), accm);
+    const GroupScales scale(sc16);
+    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    Q2K::groups(row, [&](int g, __m256i u) {
+      sumi[g & 1] = dot_scaled(sumi[g & 1], u, load32(a[n].q + 32 * g), scale(g));
+    });
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
+  }
+  return hsum(_mm256_sub_ps(acc, accm));
+}
+
+float dot_iq4xs(const uint8_t* row, const void* act, int64_t nblocks) {
+  const ActQ8K* a = static_cast<const ActQ8K*>(act);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t n = 0; n < nblocks; ++n, row += 136) {
+    const float d = f16_at(row) * a[n].d;
+    const __m256i sc16 = iq4xs_scales16(row);
+    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    Iq4Xs::groups(row, [&](int j, __m256i w) {
+      // The values are signed: maddubs takes |w| and moves w's sign onto q.
+      const __m256i q = _mm256_sign_epi8(load32(a[n].q + 32 * j), w);
+      sumi[j & 1] = dot_scaled(sumi[j & 1], _mm256_abs_epi8(w), q, sub_scale(sc16, j));
+    });
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
+  }
+  return hsum(acc);
+}
+
+#else
+// ---------------------------------------------------------------------------------------
+// Portable dequantize: each value as the reference computes it.
 
 void dequantize_q2k(const uint8_t* b, float* out, int64_t nblocks) {
   for (int64_t n = 0; n < nblocks; ++n, b += 84, out += 256) {
@@ -252,280 +671,6 @@ void dequantize_iq4xs(const uint8_t* b, float* out, int64_t nblocks) {
   }
 }
 
-#if defined(__AVX2__)
-// ---------------------------------------------------------------------------------------
-// Vector dots.
-
-inline __m256i load32(const void* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
-
-inline __m128i load16(const void* p) {
-  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-}
-
-inline __m256i bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
-
-inline __m256i bsums(const ActQ8K& a) { return load32(a.bsums); }
-
-// acc + the 8 int32 sums of four u * q products, each pair of int16 lanes of maddubs' times
-// its scale lane. maddubs cannot saturate: u <= 63 and |q| <= 127.
-inline __m256i dot_scaled(__m256i acc, __m256i u, __m256i q, __m256i scales16) {
-  const __m256i pairs = _mm256_maddubs_epi16(u, q);
-#if defined(GGUF_K_VNNI)
-  return _mm256_dpwssd_epi32(acc, pairs, scales16);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales16));
-#endif
-}
-
-// A block's integer sum, kept in two chains of accumulators (a block is too short for one
-// to hide dpwssd's latency), as floats.
-inline __m256 as_float(const __m256i sumi[2]) {
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[0], sumi[1]));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Scales are unpacked in registers, never through memory: a block's scale work is as long
-// as its dot products.
-inline __m128i words_v(const uint32_t u[4]) {
-  return _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]), static_cast<int>(u[1]),
-                       static_cast<int>(u[0]));
-}
-
-// Types with a scale per 32 values (Q4_K, Q5_K, IQ4_XS) hold their 8 scales as int16 in both
-// 128-bit halves; sub-block j's scale in every lane is then one shuffle, where a broadcast
-// from memory or a general register takes two or three instructions.
-inline __m256i sub_scale(__m256i sc16, int j) {
-  return _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<short>(0x0100 + 0x0202 * j)));
-}
-
-// Types with a scale per 16 values (Q2_K, Q3_K, Q6_K) hold their 16 as int16 [16]; `half`
-// is lanes 8h..8h+7 of it in both 128-bit halves (permute_half). Group g of 32 values
-// (sub-blocks 2g, 2g + 1) takes lane 2g's scale in the low 128 bits, 2g + 1's in the high.
-inline __m256i permute_half(__m256i sc16, int h) {
-  return h ? _mm256_permute4x64_epi64(sc16, 0xee) : _mm256_permute4x64_epi64(sc16, 0x44);
-}
-
-inline __m256i group_scales(__m256i half, int g4) {
-  // Bytes (4 g4, 4 g4 + 1) repeated in the low half, (4 g4 + 2, 4 g4 + 3) in the high half.
-  const __m256i pick = _mm256_add_epi8(
-      _mm256_set_epi64x(0x0302030203020302, 0x0302030203020302, 0x0100010001000100,
-                        0x0100010001000100),
-      bytes(4 * g4));
-  return _mm256_shuffle_epi8(half, pick);
-}
-
-// Q4_K/Q5_K's scales (bytes 0..7) and minimums (8..15).
-inline __m128i q4k_scales_v(const uint8_t* packed) {
-  uint32_t u[4];
-  q4k_words(packed, u);
-  return words_v(u);
-}
-
-inline __m256i q4k_scales16(__m128i sm) {
-  return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
-}
-
-// The min term of Q4_K/Q5_K: m_j * (bsum 2j + bsum 2j + 1) in 8 int32 lanes.
-inline __m256i mins_by_bsums(__m128i sm, const ActQ8K& a) {
-  return _mm256_madd_epi16(bsums(a), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm)));
-}
-
-// Q3_K's 16 scales, centred, as int16.
-inline __m256i q3k_scales16(const uint8_t* packed) {
-  uint32_t u[4];
-  q3k_words(packed, u);
-  return _mm256_cvtepi8_epi16(_mm_sub_epi8(words_v(u), _mm_set1_epi8(32)));
-}
-
-// IQ4_XS's 8 scales, centred, as int16 in both 128-bit halves. Scale j's top bits are bits
-// 2j of a uint16: a multiply by 2^(14 - 2j) brings them to the top of lane j.
-inline __m256i iq4xs_scales16(const uint8_t* b) {
-  uint16_t high;
-  uint32_t low;
-  std::memcpy(&high, b + 2, sizeof high);
-  std::memcpy(&low, b + 4, sizeof low);
-  const __m128i l = _mm_cvtsi32_si128(static_cast<int>(low)), nib = _mm_set1_epi8(0x0f);
-  const __m128i low8 =
-      _mm_unpacklo_epi8(_mm_and_si128(l, nib), _mm_and_si128(_mm_srli_epi16(l, 4), nib));
-  const __m128i top = _mm_srli_epi16(
-      _mm_mullo_epi16(_mm_set1_epi16(static_cast<short>(high)),
-                      _mm_set_epi16(1, 4, 16, 64, 256, 1024, 4096, 16384)),
-      14);
-  const __m128i sc = _mm_or_si128(_mm_cvtepu8_epi16(low8), _mm_slli_epi16(top, 4));
-  return _mm256_broadcastsi128_si256(_mm_sub_epi16(sc, _mm_set1_epi16(32)));
-}
-
-float dot_q4k(const uint8_t* row, const void* act, int64_t nblocks) {
-  const ActQ8K* a = static_cast<const ActQ8K*>(act);
-  __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-  const __m256i low4 = bytes(0x0f);
-  for (int64_t n = 0; n < nblocks; ++n, row += 144) {
-    const float d = f16_at(row) * a[n].d, dmin = f16_at(row + 2) * a[n].d;
-    const __m128i sm = q4k_scales_v(row + 4);
-    const __m256i sc16 = q4k_scales16(sm), m = mins_by_bsums(sm, a[n]);
-    accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), accm);
-    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int c = 0; c < 4; ++c) {
-      const __m256i qs = load32(row + 16 + 32 * c);
-      const __m256i lo = _mm256_and_si256(qs, low4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qs, 4), low4);
-      sumi[0] = dot_scaled(sumi[0], lo, load32(a[n].q + 64 * c), sub_scale(sc16, 2 * c));
-      sumi[1] = dot_scaled(sumi[1], hi, load32(a[n].q + 64 * c + 32), sub_scale(sc16, 2 * c + 1));
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
-  }
-  return hsum(_mm256_sub_ps(acc, accm));
-}
-
-float dot_q5k(const uint8_t* row, const void* act, int64_t nblocks) {
-  const ActQ8K* a = static_cast<const ActQ8K*>(act);
-  __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-  const __m256i low4 = bytes(0x0f), bit4 = bytes(0x10);
-  for (int64_t n = 0; n < nblocks; ++n, row += 176) {
-    const float d = f16_at(row) * a[n].d, dmin = f16_at(row + 2) * a[n].d;
-    const __m128i sm = q4k_scales_v(row + 4);
-    const __m256i sc16 = q4k_scales16(sm), m = mins_by_bsums(sm, a[n]);
-    accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), accm);
-    // Sub-block j's fifth bits are bit j of qh's bytes: shifted down two a chunk, bits 0
-    // and 1 of every byte are the chunk's (16-bit shifts: no bit reaches a byte's low 2).
-    __m256i qh = load32(row + 16);
-    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int c = 0; c < 4; ++c) {
-      const __m256i qs = load32(row + 48 + 32 * c);
-      const __m256i lo = _mm256_or_si256(_mm256_and_si256(qs, low4),
-                                         _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
-      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 4), low4),
-                                         _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
-      qh = _mm256_srli_epi16(qh, 2);
-      sumi[0] = dot_scaled(sumi[0], lo, load32(a[n].q + 64 * c), sub_scale(sc16, 2 * c));
-      sumi[1] = dot_scaled(sumi[1], hi, load32(a[n].q + 64 * c + 32), sub_scale(sc16, 2 * c + 1));
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
-  }
-  return hsum(_mm256_sub_ps(acc, accm));
-}
-
-float dot_q6k(const uint8_t* row, const void* act, int64_t nblocks) {
-  const ActQ8K* a = static_cast<const ActQ8K*>(act);
-  __m256 acc = _mm256_setzero_ps();
-  const __m256i low4 = bytes(0x0f), high2 = bytes(0x30);
-  for (int64_t n = 0; n < nblocks; ++n, row += 210) {
-    const float d = f16_at(row + 208) * a[n].d;
-    const __m256i sc16 = _mm256_cvtepi8_epi16(load16(row + 192));
-    // Codes are stored + 32: take off 32 * sum_j sc_j bsum_j.
-    const __m256i centre = _mm256_slli_epi32(_mm256_madd_epi16(bsums(a[n]), sc16), 5);
-    __m256i sumi[2] = {_mm256_sub_epi32(_mm256_setzero_si256(), centre), _mm256_setzero_si256()};
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* ql = row + 64 * h;
-      const __m256i l0 = load32(ql), l1 = load32(ql + 32), qh = load32(row + 128 + 32 * h);
-      const __m256i u[4] = {
-          _mm256_or_si256(_mm256_and_si256(l0, low4),
-                          _mm256_and_si256(_mm256_slli_epi16(qh, 4), high2)),
-          _mm256_or_si256(_mm256_and_si256(l1, low4),
-                          _mm256_and_si256(_mm256_slli_epi16(qh, 2), high2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                          _mm256_and_si256(qh, high2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                          _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)),
-      };
-      const __m256i half = permute_half(sc16, h);
-      const int8_t* q = a[n].q + 128 * h;
-      for (int s = 0; s < 4; ++s)
-        sumi[s & 1] = dot_scaled(sumi[s & 1], u[s], load32(q + 32 * s), group_scales(half, s));
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
-  }
-  return hsum(acc);
-}
-
-float dot_q3k(const uint8_t* row, const void* act, int64_t nblocks) {
-  const ActQ8K* a = static_cast<const ActQ8K*>(act);
-  __m256 acc = _mm256_setzero_ps();
-  const __m256i low2 = bytes(0x03), bit2 = bytes(0x04);
-  for (int64_t n = 0; n < nblocks; ++n, row += 110) {
-    const float d = f16_at(row + 108) * a[n].d;
-    const __m256i sc16 = q3k_scales16(row + 96);
-    // Codes taken unsigned, 0..7 = code + 4 (a set hmask bit adds the 4): take off
-    // 4 * sum_j sc_j bsum_j.
-    const __m256i centre = _mm256_slli_epi32(_mm256_madd_epi16(bsums(a[n]), sc16), 2);
-    __m256i sumi[2] = {_mm256_sub_epi32(_mm256_setzero_si256(), centre), _mm256_setzero_si256()};
-    __m256i hm = load32(row);  // group g's bit is bit g of each byte: shifted down one a group
-    for (int h = 0; h < 2; ++h) {
-      const __m256i qs = load32(row + 32 + 32 * h);
-      const __m256i half = permute_half(sc16, h);
-      const int8_t* q = a[n].q + 128 * h;
-      for (int s = 0; s < 4; ++s) {
-        const __m256i u = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 2 * s), low2),
-                                          _mm256_and_si256(_mm256_slli_epi16(hm, 2), bit2));
-        hm = _mm256_srli_epi16(hm, 1);
-        sumi[s & 1] = dot_scaled(sumi[s & 1], u, load32(q + 32 * s), group_scales(half, s));
-      }
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
-  }
-  return hsum(acc);
-}
-
-float dot_q2k(const uint8_t* row, const void* act, int64_t nblocks) {
-  const ActQ8K* a = static_cast<const ActQ8K*>(act);
-  __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-  const __m256i low2 = bytes(0x03);
-  for (int64_t n = 0; n < nblocks; ++n, row += 84) {
-    const float d = f16_at(row + 80) * a[n].d, dmin = f16_at(row + 82) * a[n].d;
-    const __m128i s = load16(row);
-    const __m128i low4 = _mm_set1_epi8(0x0f);
-    const __m256i sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s, low4));
-    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), low4));
-    accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin),
-                           _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums(a[n]), m16)), accm);
-    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int h = 0; h < 2; ++h) {
-      const __m256i qs = load32(row + 16 + 32 * h);
-      const __m256i half = permute_half(sc16, h);
-      const int8_t* q = a[n].q + 128 * h;
-      for (int s4 = 0; s4 < 4; ++s4) {
-        const __m256i u = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * s4), low2);
-        sumi[s4 & 1] = dot_scaled(sumi[s4 & 1], u, load32(q + 32 * s4), group_scales(half, s4));
-      }
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
-  }
-  return hsum(_mm256_sub_ps(acc, accm));
-}
-
-float dot_iq4xs(const uint8_t* row, const void* act, int64_t nblocks) {
-  const ActQ8K* a = static_cast<const ActQ8K*>(act);
-  __m256 acc = _mm256_setzero_ps();
-  const __m256i table = _mm256_broadcastsi128_si256(load16(kIq4Values));
-  const __m256i low4 = bytes(0x0f);
-  for (int64_t n = 0; n < nblocks; ++n, row += 136) {
-    const float d = f16_at(row) * a[n].d;
-    const __m256i sc16 = iq4xs_scales16(row);
-    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    for (int j = 0; j < 8; ++j) {
-      const __m128i b = load16(row + 8 + 16 * j);
-      const __m256i codes = _mm256_and_si256(
-          _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1), low4);
-      // The values are signed: maddubs takes |w| and moves w's sign onto q.
-      const __m256i w = _mm256_shuffle_epi8(table, codes);
-      const __m256i q = _mm256_sign_epi8(load32(a[n].q + 32 * j), w);
-      sumi[j & 1] = dot_scaled(sumi[j & 1], _mm256_abs_epi8(w), q, sub_scale(sc16, j));
-    }
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
-  }
-  return hsum(acc);
-}
-
-#else
-// ---------------------------------------------------------------------------------------
 // Portable dots: the same integer sums, a value at a time.
 
 // sum over a sub-block of `len` values of code * q, codes given by `code(i)`.
