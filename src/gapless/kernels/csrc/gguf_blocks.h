@@ -50,6 +50,11 @@ struct BlockType {
   // The dot product of one row of nblocks weight blocks with one activation row quantized
   // in `act` (nblocks ActQ8 per 32-element block, or nblocks ActQ8K per 256).
   float (*dot)(const uint8_t* row, const void* act, int64_t nblocks);
+  // Optional (nullptr: gemv calls dot per activation row): the dots of one row with m
+  // activation rows act_row_bytes apart, into out[i * out_stride]. A type that unpacks each
+  // weight block once for several rows spares decode batches most of their unpacking.
+  void (*dot_rows)(const uint8_t* row, const void* act, int64_t act_row_bytes, int64_t m,
+                   float* out, int64_t out_stride, int64_t nblocks) = nullptr;
 };
 
 // The 32-element types (gguf_q32.cpp) and the K-quant types (gguf_kquants.cpp): the type's

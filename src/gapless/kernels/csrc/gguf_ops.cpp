@@ -8,6 +8,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "gguf_blocks.h"
 
 namespace {
@@ -34,8 +38,33 @@ int64_t check_blocks(const at::Tensor& blocks, const gg::BlockType& t, int64_t c
   return nblocks;
 }
 
-inline uint16_t to_bf16_bits(float f) {
-  return c10::BFloat16(f).x;  // round to nearest even, as Tensor.to(bfloat16)
+// Floats to bf16, rounding to nearest even as Tensor.to(bfloat16) does (for all but NaNs'
+// payloads; dequantized weights are finite).
+void to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16) {
+    __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(src + j));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  }
+#elif defined(__AVX2__)
+  const auto round = [](const float* p) {
+    const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(p));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff));
+    return _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+  };
+  for (; j + 16 <= n; j += 16) {
+    // packus interleaves the two halves' 128-bit lanes; the permute puts them back in order.
+    const __m256i packed = _mm256_packus_epi32(round(src + j), round(src + j + 8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                        _mm256_permute4x64_epi64(packed, 0xd8));
+  }
+#endif
+  for (; j < n; ++j) dst[j] = c10::BFloat16(src[j]).x;
 }
 
 // Rows r0..r1 of the blocks as floats (or bf16) at out, `cols` a row; `scratch` holds a row.
@@ -48,8 +77,7 @@ void dequantize_rows(const gg::BlockType& t, const uint8_t* blocks, int64_t r0, 
       t.dequantize(row, static_cast<float*>(out) + (r - r0) * cols, nblocks);
     } else {
       t.dequantize(row, scratch, nblocks);
-      uint16_t* dst = static_cast<uint16_t*>(out) + (r - r0) * cols;
-      for (int64_t j = 0; j < cols; ++j) dst[j] = to_bf16_bits(scratch[j]);
+      to_bf16(scratch, static_cast<uint16_t*>(out) + (r - r0) * cols, cols);
     }
   }
 }
@@ -108,14 +136,18 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t r = n0; r < n1; ++r) {
       const uint8_t* row = w + r * row_bytes;
-      for (int64_t i = 0; i < m; ++i)
-        y[i * n + r] = t.dot(row, acts.data() + i * act_row_bytes, nblocks);
+      if (t.dot_rows != nullptr && m > 1) {
+        t.dot_rows(row, acts.data(), act_row_bytes, m, y + r, n, nblocks);
+      } else {
+        for (int64_t i = 0; i < m; ++i)
+          y[i * n + r] = t.dot(row, acts.data() + i * act_row_bytes, nblocks);
+      }
     }
   });
   return out;
 }
 
-at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int64_t tile) {
+at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
   const gg::BlockType& t = block_type(qtype);
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 2 && x.is_contiguous(),
@@ -123,23 +155,28 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype, int6
   const int64_t k = x.size(1);
   check_blocks(blocks, t, k);
   const int64_t n = blocks.size(0);
-  const at::ScalarType dtype = x.scalar_type();
+  // Tiles of at most 256 rows (~0.5-2.5 MB of bf16), as many per thread: each thread
+  // dequantizes its tiles in turn into one buffer and runs the GEMM there, single-threaded
+  // (ATen's ops are, inside parallel_for). Smaller tiles lose to the GEMM's per-call packing
+  // of x; on this Zen 4 the tiles' GEMMs then cost what one over the whole weight does.
+  constexpr int64_t kMaxTile = 256;
+  const int64_t threads = at::get_num_threads();
+  const int64_t tiles = threads * ((n + threads * kMaxTile - 1) / (threads * kMaxTile));
+  const int64_t tile = (n + tiles - 1) / tiles;
   const uint8_t* w = blocks.data_ptr<uint8_t>();
-  const at::Tensor xt = x.t();
-  // out^T [N, M]: a tile of weight rows gives whole contiguous rows of it.
-  at::Tensor out_t = at::empty({n, x.size(0)}, x.options());
-  const int64_t tiles = (n + tile - 1) / tile;
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     at::Tensor buffer = at::empty({tile, k}, x.options());
     std::vector<float> scratch(k);
     for (int64_t i = t0; i < t1; ++i) {
       const int64_t r0 = i * tile, r1 = std::min(n, r0 + tile);
-      dequantize_rows(t, w, r0, r1, k, dtype, buffer.data_ptr(), scratch.data());
-      at::Tensor dst = out_t.narrow(0, r0, r1 - r0);
-      at::mm_out(dst, buffer.narrow(0, 0, r1 - r0), xt);
+      if (r0 >= r1) break;
+      dequantize_rows(t, w, r0, r1, k, x.scalar_type(), buffer.data_ptr(), scratch.data());
+      at::Tensor dst = out.narrow(1, r0, r1 - r0);  // out[:, r0:r1] = x @ tile^T, in place
+      at::mm_out(dst, x, buffer.narrow(0, 0, r1 - r0).t());
     }
   });
-  return out_t.t().contiguous();
+  return out;
 }
 
 }  // namespace
@@ -150,6 +187,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("dequantize", &dequantize, "GGUF blocks [R, row bytes] to [R, cols] in dtype");
   m.def("gemv", &gemv, "x float32 [M, K] times GGUF blocks [N, row bytes]^T, via 8-bit x");
-  m.def("mm", &mm, "x [M, K] times GGUF blocks^T, a dequantized tile of rows at a time",
-        py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("tile") = 64);
+  m.def("mm", &mm, "x [M, K] times GGUF blocks^T, a dequantized tile of rows at a time");
 }

@@ -247,19 +247,89 @@ struct Iq4nlT {
 #endif
 };
 
+#if defined(__AVX2__)
+// The 32 codes as signed bytes: the weights are d * code + m.
+template <class T>
+inline __m256i codes_v(const uint8_t* b) {
+  if constexpr (T::kSignedAvx2)
+    return T::scodes(b);
+  else if constexpr (T::kCentre != 0)
+    return _mm256_sub_epi8(T::ucodes(b), _mm256_set1_epi8(T::kCentre));
+  else
+    return T::ucodes(b);
+}
+#endif
+
 template <class T>
 void dequantize(const uint8_t* row, float* out, int64_t nblocks) {
   for (int64_t b = 0; b < nblocks; ++b, row += T::kBytes, out += 32) {
+    const float d = T::d(row), m = T::m(row);
+#if defined(__AVX512F__)
+    const __m256i c = codes_v<T>(row);
+    for (int half = 0; half < 2; ++half) {
+      const __m128i c16 = half ? _mm256_extracti128_si256(c, 1) : _mm256_castsi256_si128(c);
+      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c16)), _mm512_set1_ps(d));
+      if constexpr (T::kHasMin) v = _mm512_add_ps(v, _mm512_set1_ps(m));
+      _mm512_storeu_ps(out + 16 * half, v);
+    }
+#elif defined(__AVX2__)
+    const __m256i c = codes_v<T>(row);
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      const __m128i c16 = quarter < 2 ? _mm256_castsi256_si128(c) : _mm256_extracti128_si256(c, 1);
+      const __m128i c8 = quarter & 1 ? _mm_srli_si128(c16, 8) : c16;
+      __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8)), _mm256_set1_ps(d));
+      if constexpr (T::kHasMin) v = _mm256_add_ps(v, _mm256_set1_ps(m));
+      _mm256_storeu_ps(out + 8 * quarter, v);
+    }
+#else
     int8_t c[32];
     T::codes(row, c);
-    const float d = T::d(row);
-    if constexpr (T::kHasMin) {
-      const float m = T::m(row);
-      for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(static_cast<uint8_t>(c[j])) + m;
-    } else {
-      for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(c[j]);
+    for (int j = 0; j < 32; ++j) {
+      out[j] = d * static_cast<float>(c[j]);
+      if constexpr (T::kHasMin) out[j] += m;  // not for the others: -0 + 0 would be +0
     }
+#endif
   }
+}
+
+#if defined(__AVX2__)
+#if defined(GGUF_VNNI)
+template <class T>
+constexpr bool kSigned = false;  // dpbusd sums four products in int32: any u fits
+#else
+template <class T>
+constexpr bool kSigned = T::kSignedAvx2;
+#endif
+
+// One block into acc (8 partial sums, scaled) and folded (sum of s d for the centre, or of
+// s m for the minimum, to take out or add once at the end).
+template <class T>
+inline __attribute__((always_inline)) void dot_block(const uint8_t* w, const ActQ8& a,
+                                                     __m256& acc, float& folded) {
+  const __m256i q = load32(a.q);
+  const float d = T::d(w);
+  __m256i sums;
+  if constexpr (kSigned<T>) {
+    const __m256i c = T::scodes(w);
+    sums = dot_u8s8(_mm256_abs_epi8(c), _mm256_sign_epi8(q, c));
+  } else {
+    sums = dot_u8s8(T::ucodes(w), q);
+    if constexpr (T::kHasMin)
+      folded += a.s * T::m(w);
+    else
+      folded += a.s * d;
+  }
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * a.d), acc);
+}
+#endif
+
+template <class T>
+inline float finish(float sum, float folded) {
+#if defined(__AVX2__)
+  if constexpr (kSigned<T>) return sum;
+#endif
+  if constexpr (T::kHasMin) return sum + folded;
+  return sum - static_cast<float>(T::kCentre) * folded;
 }
 
 template <class T>
@@ -267,28 +337,15 @@ float dot(const uint8_t* row, const void* act, int64_t nblocks) {
   const ActQ8* a = static_cast<const ActQ8*>(act);
 #if defined(__AVX2__)
   // Two chains of accumulators: a block's work is short next to an FMA's latency.
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  float folded[2] = {0.0f, 0.0f};  // sum over blocks of s (m - centre d)
-  for (int64_t b = 0; b < nblocks; ++b, row += T::kBytes) {
-    const __m256i q = load32(a[b].q);
-    const float d = T::d(row);
-    __m256i sums;
-#if defined(GGUF_VNNI)
-    constexpr bool kSigned = false;
-#else
-    constexpr bool kSigned = T::kSignedAvx2;
-#endif
-    if constexpr (kSigned) {
-      const __m256i w = T::scodes(row);
-      sums = dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w));
-    } else {
-      sums = dot_u8s8(T::ucodes(row), q);
-      if constexpr (T::kCentre != 0 || T::kHasMin)
-        folded[b & 1] += a[b].s * (T::m(row) - static_cast<float>(T::kCentre) * d);
-    }
-    acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * a[b].d), acc[b & 1]);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  float folded0 = 0.0f, folded1 = 0.0f;
+  int64_t b = 0;
+  for (; b + 1 < nblocks; b += 2) {
+    dot_block<T>(row + b * T::kBytes, a[b], acc0, folded0);
+    dot_block<T>(row + (b + 1) * T::kBytes, a[b + 1], acc1, folded1);
   }
-  return hsum(_mm256_add_ps(acc[0], acc[1])) + (folded[0] + folded[1]);
+  if (b < nblocks) dot_block<T>(row + b * T::kBytes, a[b], acc0, folded0);
+  return finish<T>(hsum(_mm256_add_ps(acc0, acc1)), folded0 + folded1);
 #else
   float total = 0.0f;
   for (int64_t b = 0; b < nblocks; ++b, row += T::kBytes) {
@@ -306,9 +363,64 @@ float dot(const uint8_t* row, const void* act, int64_t nblocks) {
 #endif
 }
 
+#if defined(__AVX2__)
+// R activation rows at once: each weight block is unpacked once for all of them.
+template <class T, int R>
+void dot_rows_fixed(const uint8_t* row, const ActQ8* a, int64_t act_stride, float* out,
+                    int64_t out_stride, int64_t nblocks) {
+  __m256 acc[R];
+  float folded[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), folded[r] = 0.0f;
+  for (int64_t b = 0; b < nblocks; ++b, row += T::kBytes) {
+    const float d = T::d(row);
+    __m256i w, w_abs;
+    if constexpr (kSigned<T>)
+      w = T::scodes(row), w_abs = _mm256_abs_epi8(w);
+    else
+      w = T::ucodes(row);
+    const float fold_scale = T::kHasMin ? T::m(row) : d;
+    for (int r = 0; r < R; ++r) {
+      const ActQ8& x = a[r * act_stride + b];
+      const __m256i q = load32(x.q);
+      __m256i sums;
+      if constexpr (kSigned<T>) {
+        sums = dot_u8s8(w_abs, _mm256_sign_epi8(q, w));
+      } else {
+        sums = dot_u8s8(w, q);
+        folded[r] += x.s * fold_scale;
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * x.d), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * out_stride] = finish<T>(hsum(acc[r]), folded[r]);
+}
+#endif
+
+template <class T>
+void dot_rows(const uint8_t* row, const void* act, int64_t act_row_bytes, int64_t m, float* out,
+              int64_t out_stride, int64_t nblocks) {
+  const uint8_t* a = static_cast<const uint8_t*>(act);
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const int64_t stride = act_row_bytes / static_cast<int64_t>(sizeof(ActQ8));
+  for (; i + 4 <= m; i += 4)
+    dot_rows_fixed<T, 4>(row, reinterpret_cast<const ActQ8*>(a + i * act_row_bytes), stride,
+                         out + i * out_stride, out_stride, nblocks);
+  if (m - i >= 2) {
+    const auto* x = reinterpret_cast<const ActQ8*>(a + i * act_row_bytes);
+    if (m - i == 3)
+      dot_rows_fixed<T, 3>(row, x, stride, out + i * out_stride, out_stride, nblocks);
+    else
+      dot_rows_fixed<T, 2>(row, x, stride, out + i * out_stride, out_stride, nblocks);
+    return;
+  }
+#endif
+  for (; i < m; ++i) out[i * out_stride] = dot<T>(row, a + i * act_row_bytes, nblocks);
+}
+
 template <class T>
 constexpr BlockType entry(const char* name) {
-  return {name, 32, T::kBytes, ActFormat::Q8, &dequantize<T>, &dot<T>};
+  return {name, 32, T::kBytes, ActFormat::Q8, &dequantize<T>, &dot<T>, &dot_rows<T>};
 }
 
 constexpr BlockType kQ4_0 = entry<Q4_0T>("Q4_0");
