@@ -4,18 +4,25 @@ endpoints serve them to the real clients; `--task embed` serves nothing else."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import base64
+import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+import ollama
+import openai
 import pytest
 import torch
+from server_fixture import MODEL, RunningServer, running_server
 from test_engine import finished, greedy, prompt, run, tokens
 from test_model import hf_model
 
 from gapless import LLM, Engine, EngineConfig
 from gapless.engine.admission import RequestError
 from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
+from gapless.server.app import ServerSettings
 
 CONTEXT = 64  # the server's: inputs beyond it are cheap to send
 CHUNK = 8
@@ -173,3 +180,188 @@ def test_an_embedding_prompt_may_fill_the_context_but_not_more(llama_dir):
     with pytest.raises(RequestError, match="pooling"):
         e.add_embedding(["x"], pooling="max")
     assert e.pool.num_used == 0
+
+
+# -- the server -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path) -> Iterator[RunningServer]:
+    with running_server(
+        llama_dir, max_model_len=CONTEXT, prefill_chunk=CHUNK, idle_prefill_chunk=CHUNK
+    ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def oai(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llama(server: RunningServer) -> ollama.Client:
+    return ollama.Client(host=server.url)
+
+
+TEXTS = ["def fibonacci(n):", "import os\nprint(os.getcwd())"]
+
+
+def test_openai_client_gets_float_and_base64_embeddings(oai, server, hf):
+    ids = [server.engine.tokenizer.encode(t) for t in TEXTS]
+    want = [reference(hf, p, "last") for p in ids]
+    floats = oai.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+    # Without encoding_format the client asks for base64 and decodes it.
+    packed = oai.embeddings.create(model=MODEL, input=TEXTS, user="ignored")
+    for r in (floats, packed):
+        assert (r.object, r.model) == ("list", MODEL)
+        assert [(d.object, d.index) for d in r.data] == [("embedding", 0), ("embedding", 1)]
+        assert all(close(d.embedding, w) for d, w in zip(r.data, want, strict=True))
+        total = sum(map(len, ids))
+        assert (r.usage.prompt_tokens, r.usage.total_tokens) == (total, total)
+
+    # Token ids, one list or several; the model's own width as `dimensions`.
+    one = oai.embeddings.create(model=MODEL, input=ids[1], dimensions=64, encoding_format="float")
+    assert close(one.data[0].embedding, want[1])
+    both = oai.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    assert all(close(d.embedding, w) for d, w in zip(both.data, want, strict=True))
+    server.wait_for_metric("gapless_kv_blocks_used", 0)
+
+
+def test_base64_is_little_endian_float32(client: httpx.Client) -> None:
+    body = {"input": TEXTS[0]}
+    floats = client.post("/v1/embeddings", json=body).json()["data"][0]["embedding"]
+    raw = client.post("/v1/embeddings", json={**body, "encoding_format": "base64"}).json()
+    packed = base64.b64decode(raw["data"][0]["embedding"])
+    assert list(struct.unpack(f"<{len(packed) // 4}f", packed)) == floats
+    assert len(floats) == 64
+
+
+@pytest.mark.parametrize(
+    "body,param,code",
+    [
+        ({}, "input", None),
+        ({"input": ""}, "input", None),
+        ({"input": []}, "input", None),
+        ({"input": 5}, "input", None),
+        ({"input": {"text": "x"}}, "input", None),
+        ({"input": ["a", ""]}, "input[1]", None),
+        ({"input": [[5, 6], []]}, "input[1]", None),
+        ({"input": ["a", 3]}, "input[1]", None),
+        ({"input": ["a", [5, "b"]]}, "input[1]", None),
+        ({"input": [5, 99999]}, "input", None),
+        ({"input": [5] * (CONTEXT + 1)}, "input", "context_length_exceeded"),
+        ({"input": ["a", [5] * (CONTEXT + 1)]}, "input[1]", "context_length_exceeded"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format", None),
+        ({"input": "x", "dimensions": 32}, "dimensions", None),
+        ({"input": "x", "dimensions": "64"}, "dimensions", None),
+        ({"input": "x", "model": 7}, "model", None),
+    ],
+)
+def test_bad_openai_requests_are_400s_naming_the_field(client, server, body, param, code):
+    r = client.post("/v1/embeddings", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
+    assert error["message"]
+    assert client.post("/v1/embeddings", json={"input": "x", "model": "gpt"}).status_code == 404
+    assert server.engine.pool.num_used == 0
+
+
+def test_a_full_context_input_embeds_and_a_batch_too(oai, server):
+    r = oai.embeddings.create(model=MODEL, input=[prompt(CONTEXT, 1)] * 3 + ["x"])
+    x = len(server.engine.tokenizer.encode("x"))
+    assert len(r.data) == 4 and r.usage.prompt_tokens == 3 * CONTEXT + x
+    assert close(r.data[0].embedding, torch.tensor(r.data[2].embedding))
+    server.wait_for_metric("gapless_kv_blocks_used", 0)
+
+
+def test_ollama_client_embed_and_embeddings(llama, server, hf):
+    tokenizer = server.engine.tokenizer
+    want = [reference(hf, tokenizer.encode(t), "last") for t in TEXTS]
+    one = llama.embed(model=MODEL, input=TEXTS[0], keep_alive="5m", options={"num_ctx": 8})
+    assert one.model == MODEL
+    assert len(one.embeddings) == 1 and close(one.embeddings[0], want[0])
+    assert one.prompt_eval_count == len(tokenizer.encode(TEXTS[0]))
+    assert one.total_duration > 0 and one.load_duration == 0
+    both = llama.embed(model=f"{MODEL}:latest", input=TEXTS, dimensions=64)
+    assert both.model == f"{MODEL}:latest"
+    assert all(close(v, w) for v, w in zip(both.embeddings, want, strict=True))
+    legacy = llama.embeddings(model=MODEL, prompt=TEXTS[1])
+    assert close(legacy.embedding, want[1])
+    server.wait_for_metric("gapless_kv_blocks_used", 0)
+
+
+def test_ollama_truncates_a_long_input_unless_told_not_to(llama, server, hf):
+    text = "the quick brown fox jumps over the lazy dog " * 40
+    ids = server.engine.tokenizer.encode(text)
+    assert len(ids) > CONTEXT
+    r = llama.embed(model=MODEL, input=["x", text])  # truncate is true by default
+    assert r.prompt_eval_count == len(server.engine.tokenizer.encode("x")) + CONTEXT
+    assert close(r.embeddings[1], reference(hf, ids[:CONTEXT], "last"))
+    with pytest.raises(ollama.ResponseError) as caught:
+        llama.embed(model=MODEL, input=["x", text], truncate=False)
+    assert caught.value.status_code == 400
+    assert caught.value.error.startswith("input[1]: the prompt has")
+    with pytest.raises(ollama.ResponseError) as caught:
+        llama.embeddings(model=MODEL, prompt=text)  # the older endpoint never truncates
+    assert caught.value.status_code == 400 and "context is 64 tokens" in caught.value.error
+    server.wait_for_metric("gapless_kv_blocks_used", 0)
+
+
+@pytest.mark.parametrize(
+    "path,body,needle",
+    [
+        ("/api/embed", {}, "input must be"),
+        ("/api/embed", {"input": ""}, "input: the prompt is empty"),
+        ("/api/embed", {"input": []}, "input is empty"),
+        ("/api/embed", {"input": [[5, 6]]}, "input[0]: must be a string"),
+        ("/api/embed", {"input": ["a", ""]}, "input[1]: the prompt is empty"),
+        ("/api/embed", {"input": "x", "options": "x"}, "options must be an object"),
+        ("/api/embed", {"input": "x", "truncate": "yes"}, "truncate must be a boolean"),
+        ("/api/embed", {"input": "x", "dimensions": 3}, "dimensions must be 64"),
+        ("/api/embeddings", {}, "prompt must be a string"),
+        ("/api/embeddings", {"prompt": ["x"]}, "prompt must be a string"),
+        ("/api/embeddings", {"prompt": ""}, "the prompt is empty"),
+    ],
+)
+def test_bad_ollama_requests_are_400s(client, server, path, body, needle):
+    r = client.post(path, json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    assert set(r.json()) == {"error"}
+    assert r.json()["error"].startswith(needle), r.json()
+    assert client.post(path, json={"model": "llama3", "input": "x"}).status_code == 404
+    assert server.engine.pool.num_used == 0
+
+
+def test_task_embed_serves_embeddings_only(llama_dir, hf):
+    settings = ServerSettings(MODEL, task="embed")
+    with running_server(llama_dir, settings, pooling="mean") as running, running.client() as c:
+        ids = running.engine.tokenizer.encode(TEXTS[0])
+        r = c.post("/v1/embeddings", json={"input": TEXTS[0]})
+        assert close(r.json()["data"][0]["embedding"], reference(hf, ids, "mean"))
+        r = c.post("/api/embed", json={"input": TEXTS[0]})
+        assert close(r.json()["embeddings"][0], reference(hf, ids, "mean"))
+        assert c.post("/api/show", json={}).json()["capabilities"] == ["embedding"]
+
+        ask = [{"role": "user", "content": "hi"}]
+        refused = [
+            ("/v1/chat/completions", {"messages": ask}),
+            ("/v1/completions", {"prompt": "hi"}),
+            ("/v1/responses", {"input": "hi"}),
+            ("/v1/messages", {"messages": ask, "max_tokens": 4}),
+            ("/api/chat", {"messages": ask}),
+            ("/api/generate", {"prompt": "hi"}),
+        ]
+        for path, body in refused:
+            r = c.post(path, json=body)
+            assert r.status_code == 400, (path, r.text)
+            error = r.json()
+            if path.startswith("/api/"):
+                message = error["error"]
+            elif path == "/v1/messages":
+                assert error["type"] == "error"
+                message = error["error"]["message"]
+            else:
+                assert error["error"]["code"] == "embeddings_only"
+                message = error["error"]["message"]
+            assert "serves embeddings only (--task embed)" in message, (path, message)

@@ -85,7 +85,7 @@ def test_show_gives_template_parameters_model_info_capabilities(
     shown = llama.show(f"{MODEL}:latest")
     config = server.engine.decoder.config
     assert shown.template == LLAMA3_TEMPLATE
-    assert shown.capabilities == ["completion", "tools"]
+    assert shown.capabilities == ["completion", "tools", "embedding"]
     info = shown.modelinfo
     assert info["general.architecture"] == "llama"
     assert info["llama.context_length"] == server.engine.max_model_len

@@ -466,7 +466,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str, str | None, str | None, str | 
     ("completion logprobs range", COMPLETIONS, {"prompt": "a", "logprobs": 99}, 400, "invalid_request_error", "logprobs", None, None),
     ("seed wrong type", COMPLETIONS, {"prompt": "a", "seed": "lucky"}, 400, "invalid_request_error", "seed", None, None),
     ("stream_options wrong type", CHAT, {"messages": HELLO, "stream": True, "stream_options": 1}, 400, "invalid_request_error", "stream_options", None, None),
-    ("unknown route", "/v1/embeddings", {"input": "x"}, 404, "not_found_error", None, None, None),
+    ("unknown route", "/v1/audio/speech", {"input": "x"}, 404, "not_found_error", None, None, None),
     # Fields a client controls are bounded at admission, never in the batched step.
     ("top_k past int64", COMPLETIONS, {"prompt": "a", "top_k": 10**20}, 400, "invalid_request_error", "top_k", None, "vocabulary"),
     ("top_k 2**63 chat", CHAT, {"messages": HELLO, "top_k": 2**63}, 400, "invalid_request_error", "top_k", None, "vocabulary"),

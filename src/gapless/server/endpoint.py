@@ -3,8 +3,9 @@
 with cancel-on-disconnect, cancellation by id, and errors.
 
 A dialect module (e.g. anthropic.py) parses its requests into checked prompt ids and
-SamplingParams, renders engine events with a Renderer subclass, shapes APIError with its own
-`error_body`, and lists its ROUTES; app.py registers them.
+SamplingParams (an embedding request: the prompt ids of its inputs, for embed()), renders
+engine events with a Renderer subclass, shapes APIError with its own `error_body`, and lists
+its ROUTES; app.py registers them.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ from gapless.server.tool_calls import PARSERS
 log = logging.getLogger("gapless.server")
 
 RETRY_AFTER_S = "1"
+
+# --task: what the server serves. `generate`: every endpoint, the embedding ones included;
+# `embed`: the embedding endpoints only (the others answer 400).
+TASKS = ("generate", "embed")
 
 # An APIError as one dialect's JSON error body.
 ErrorBody = Callable[[APIError], dict[str, Any]]
@@ -82,6 +87,11 @@ class ServerSettings:
     )
     response_store_bytes: int = option(
         64 * 2**20, "bytes of JSON the stored responses take at most", positive=True
+    )
+    task: str = option(
+        "generate",
+        "generate: every endpoint, embeddings included; embed: the embedding endpoints only",
+        choices=TASKS,
     )
 
     def __post_init__(self) -> None:
@@ -357,6 +367,12 @@ async def generate(
     events, as renderer(parsed, request_id) shapes them. AsyncEngine.stream adds the request
     at once, so a refusal (queue full, params the engine rejects) is raised here, before the
     response exists; every refusal names the request's fields (`names`)."""
+    if state.settings.task == "embed":
+        raise APIError(
+            400,
+            "this server serves embeddings only (--task embed): use /v1/embeddings or /api/embed",
+            code="embeddings_only",
+        )
     parsed = await parse_off_loop(names, parse)
     if state.draining:
         raise draining_error()
@@ -365,6 +381,55 @@ async def generate(
     with admission_errors(names):
         events = state.async_engine.stream(parsed.prompt_ids, parsed.params, request_id)
     return EngineResponse(state, request_id, shaped, events, parsed.stream)
+
+
+class ParsedEmbedding(Protocol):
+    """A dialect's parsed embedding request: the prompt ids of each of its inputs."""
+
+    prompts: list[list[int]]
+
+
+E = TypeVar("E", bound=ParsedEmbedding)
+
+
+class EmbeddingRenderer(Renderer):
+    """An embedding request's vectors, in the order of its inputs, once all are computed."""
+
+    def vectors(self) -> list[list[float]]:
+        by_index = {}
+        for finished in self.finishes:
+            if finished.embedding is None:  # cancelled: the drain after SIGTERM ran out
+                raise APIError(
+                    503,
+                    "the request was cancelled before its embeddings were computed",
+                    "overloaded_error",
+                    code="cancelled",
+                )
+            by_index[finished.index] = finished.embedding
+        return [by_index[i] for i in range(len(by_index))]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(f.prompt_tokens for f in self.finishes)
+
+
+async def embed(
+    state: ServerState,
+    names: FieldNames,
+    parse: Callable[[], E],
+    renderer: Callable[[E, str], EmbeddingRenderer],
+) -> EngineResponse:
+    """As generate(), for an embedding request: every input is a sequence of one engine
+    request, prefilled beside the running decodes; the response, once all have finished,
+    holds their vectors."""
+    parsed = await parse_off_loop(names, parse)
+    if state.draining:
+        raise draining_error()
+    request_id = uuid.uuid4().hex
+    shaped = renderer(parsed, request_id)
+    with admission_errors(names):
+        events = state.async_engine.embed(parsed.prompts, request_id)
+    return EngineResponse(state, request_id, shaped, events, stream=False)
 
 
 def draining_error() -> APIError:
@@ -403,8 +468,9 @@ def max_json_values(max_model_len: int) -> int:
     return 2 * max_model_len + 1024
 
 
-async def read_json(state: ServerState, request: Request) -> dict[str, Any]:
-    """The request's JSON object body, bounded in bytes and values before it is parsed."""
+async def read_json(state: ServerState, request: Request, contexts: int = 1) -> dict[str, Any]:
+    """The request's JSON object body, bounded in bytes and values before it is parsed:
+    values for what fits in `contexts` contexts (a batch of embedding inputs, more than one)."""
     limit, max_model_len = state.settings.max_body_bytes, state.engine.max_model_len
     too_large = APIError(
         413, f"the request body is larger than {limit} bytes", code="request_too_large"
@@ -418,12 +484,15 @@ async def read_json(state: ServerState, request: Request) -> dict[str, Any]:
         if len(data) > limit:
             raise too_large
     # A comma separates two values: counting them bounds the values without parsing.
-    values, most = data.count(b",") + 1, max_json_values(max_model_len)
+    values, most = data.count(b",") + 1, max_json_values(max_model_len * contexts)
     if values > most:
+        fits = f"the {max_model_len}-token context"
+        if contexts > 1:
+            fits = f"{contexts} times {fits} (send a larger batch in parts)"
         raise APIError(
             413,
-            f"the request body holds about {values} JSON values; no request that fits the "
-            f"{max_model_len}-token context needs more than {most}",
+            f"the request body holds about {values} JSON values; no request that fits "
+            f"{fits} needs more than {most}",
             code="request_too_large",
         )
     try:

@@ -1,11 +1,13 @@
-"""The Ollama dialect: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version.
+"""The Ollama dialect: /api/chat, /api/generate, /api/embed (and the older /api/embeddings),
+/api/tags, /api/show, /api/ps, /api/version.
 
 Requests (`options` holding the sampling fields, `format` the output's shape, `tools`) become
 prompt ids and SamplingParams; engine events become NDJSON lines, one per token and a last one
 with `done: true` and the counts and durations, or that last line alone with `stream: false`;
 tool calls are read out of the output as on the OpenAI chat endpoint and come back as
 `message.tool_calls`; errors are {"error": "..."}. One model is always loaded, so
-`keep_alive` is accepted and changes nothing.
+`keep_alive` is accepted and changes nothing. /api/embed returns the engine's pooled,
+L2-normalized vectors, truncating an input longer than the context unless `truncate` is false.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -33,13 +36,17 @@ from gapless.kernels.quant import GroupQuant
 from gapless.model.loader import expected_shapes
 from gapless.server import protocol, tool_calls
 from gapless.server.endpoint import (
+    EmbeddingRenderer,
     FieldNames,
     Renderer,
     ServerState,
+    embed,
     generate,
     ndjson,
     read_json,
 )
+from gapless.server.openai_embeddings import BATCH_CONTEXTS, MAX_INPUTS, check_dimensions
+from gapless.server.openai_embeddings import check_prompts as check_embedding_prompts
 from gapless.server.protocol import APIError, bool_field, invalid, str_field
 from gapless.server.structured_output import ollama_format_grammar
 from gapless.server.tool_calls import ToolCall, ToolRequest
@@ -246,6 +253,91 @@ class _OllamaRenderer(Renderer):
         return self.last("".join(self.text) + rest, finished, calls)
 
 
+# -- embeddings -----------------------------------------------------------------------------
+
+
+@dataclass
+class ParsedEmbed:
+    prompts: list[list[int]]
+
+
+def _embed_inputs(body: dict[str, Any], legacy: bool) -> list[str]:
+    """/api/embed's `input` (a string or a non-empty list of them), or the legacy
+    /api/embeddings's `prompt`."""
+    param = "prompt" if legacy else "input"
+    value = body.get(param)
+    if isinstance(value, str):
+        return [value]
+    if legacy or not isinstance(value, list):
+        what = "a string" if legacy else "a string or a list of strings"
+        raise invalid(f"{param} must be {what}", param)
+    if not value:
+        raise invalid("input is empty: send a string or a list of strings", param)
+    if len(value) > MAX_INPUTS:
+        raise invalid(f"input may hold at most {MAX_INPUTS} strings, got {len(value)}", param)
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise invalid("must be a string", f"input[{i}]")
+    return value
+
+
+def parse_embed(
+    body: dict[str, Any], admission: Admission, width: int, legacy: bool
+) -> ParsedEmbed:
+    """`options` and `keep_alive` are accepted and change nothing; /api/embed's `truncate`
+    (default true) cuts an input longer than the context to its first tokens that fit."""
+    protocol.dict_field(body, "options")
+    check_dimensions(body, width)
+    truncate = not legacy and bool_field(body, "truncate") is not False
+    prompts = _embed_inputs(body, legacy)
+    param = "prompt" if legacy else "input"
+    return ParsedEmbed(check_embedding_prompts(prompts, admission, param, truncate))
+
+
+class _EmbedRenderer(EmbeddingRenderer):
+    def __init__(self, model: str, legacy: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.legacy = legacy
+        self.started = time.monotonic()
+
+    def error_body(self, error: APIError) -> dict[str, Any]:
+        return error_body(error)
+
+    def response(self, finished: FinishedEvent) -> dict[str, Any]:
+        vectors = self.vectors()
+        if self.legacy:
+            return {"embedding": vectors[0]}
+        return {
+            "model": self.model,
+            "embeddings": vectors,
+            "total_duration": _ns(time.monotonic() - self.started),
+            "load_duration": 0,
+            "prompt_eval_count": self.prompt_tokens,
+        }
+
+
+async def _embed(state: ServerState, request: Request, legacy: bool) -> Response:
+    body = await read_json(state, request, BATCH_CONTEXTS)
+    model = _check_model(state, body)
+    width = state.engine.decoder.config.hidden_size
+    parse = partial(parse_embed, body, state.engine.admission, width, legacy)
+
+    def renderer(parsed: ParsedEmbed, request_id: str) -> _EmbedRenderer:
+        return _EmbedRenderer(model, legacy)
+
+    return await embed(state, {}, parse, renderer)
+
+
+async def embed_endpoint(state: ServerState, request: Request) -> Response:
+    return await _embed(state, request, legacy=False)
+
+
+async def embeddings(state: ServerState, request: Request) -> Response:
+    """The older endpoint: one `prompt`, one `embedding`."""
+    return await _embed(state, request, legacy=True)
+
+
 # -- endpoints ------------------------------------------------------------------------------
 
 
@@ -419,7 +511,9 @@ async def show(state: ServerState, request: Request) -> Response:
     body = await read_json(state, request)
     _check_model(state, body)
     template = state.engine.tokenizer.chat_template
-    capabilities = ["completion"] + (["tools"] if takes_tools(template) else [])
+    capabilities = ["embedding"]
+    if state.settings.task != "embed":
+        capabilities[:0] = ["completion"] + (["tools"] if takes_tools(template) else [])
     return JSONResponse(
         {
             "modelfile": "",
@@ -440,6 +534,8 @@ async def ollama_version(state: ServerState, request: Request) -> Response:
 ROUTES = [
     ("POST", "/api/chat", chat),
     ("POST", "/api/generate", generate_text),
+    ("POST", "/api/embed", embed_endpoint),
+    ("POST", "/api/embeddings", embeddings),
     ("GET", "/api/tags", tags),
     ("POST", "/api/show", show),
     ("GET", "/api/ps", ps),
