@@ -98,6 +98,17 @@ def test_gemv_equals_linear_on_8_bit_activations(ext, qtype, m, k):
 
 
 @pytest.mark.parametrize("qtype", KQUANTS, ids=KQUANTS.values())
+@pytest.mark.parametrize("m", [5, 6, 7])
+def test_gemv_rows_together_equal_rows_alone(ext, qtype, m):
+    # A batch's rows share each unpacked weight block (4 at a time, then 3, 2 or 1): every
+    # row's integer sums and float steps are those of the row alone, to the bit.
+    b = random_blocks(qtype, 40, 512)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+    alone = torch.cat([ext.gemv(x[i : i + 1], b, qtype) for i in range(len(x))])
+    assert torch.equal(ext.gemv(x, b, qtype), alone)
+
+
+@pytest.mark.parametrize("qtype", KQUANTS, ids=KQUANTS.values())
 @pytest.mark.parametrize("m", [17, 64])
 def test_mm_equals_linear_on_the_dequantized_weight(ext, qtype, m):
     b = random_blocks(qtype, 200, 768, seed=m)

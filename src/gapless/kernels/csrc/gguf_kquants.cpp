@@ -144,7 +144,10 @@ constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
 // Vector paths. Each type unpacks a block as 8 groups of 32 codes, one byte each, in a
 // register (its `groups`); the dot multiplies them with the activations, dequantize turns
 // them into floats. The codes are unsigned for the dots (Q3_K and Q6_K stored + centre);
-// IQ4_XS's are its signed values.
+// IQ4_XS's are its signed values. Each type's `Block` holds what the dot needs of a block
+// besides its codes, in registers: d (and dmin), group g's int16 scales (scale(g)), the
+// block's integer sum before any code (start: minus the centre's share) and the int32
+// lanes that dmin multiplies (mins).
 
 inline __m256i load32(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -156,7 +159,81 @@ inline __m128i load16(const void* p) {
 
 inline __m256i bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
 
+inline __m256i bsums(const ActQ8K& a) { return load32(a.bsums); }
+
+// Scales are unpacked in registers, never through memory: a block's scale work is as long
+// as its dot products.
+inline __m128i words_v(const uint32_t u[4]) {
+  return _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]), static_cast<int>(u[1]),
+                       static_cast<int>(u[0]));
+}
+
+// Types with a scale per 32 values (Q4_K, Q5_K, IQ4_XS) hold their 8 scales as int16 in both
+// 128-bit halves; sub-block j's scale in every lane is then one shuffle, where a broadcast
+// from memory or a general register takes two or three instructions.
+inline __m256i sub_scale(__m256i sc16, int j) {
+  return _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<short>(0x0100 + 0x0202 * j)));
+}
+
+// Types with a scale per 16 values (Q2_K, Q3_K, Q6_K) hold their 16 as int16 [16]. Group g
+// of 32 values (sub-blocks 2g, 2g + 1) takes lane 2g's scale in the low 128 bits, 2g + 1's
+// in the high: from lanes 8h..8h+7 in both halves (h = g / 4), bytes (4 (g % 4), + 1)
+// repeated low, (4 (g % 4) + 2, + 3) high.
+struct GroupScales {
+  __m256i half[2];
+  explicit GroupScales(__m256i sc16)
+      : half{_mm256_permute4x64_epi64(sc16, 0x44), _mm256_permute4x64_epi64(sc16, 0xee)} {}
+  __m256i operator()(int g) const {
+    const __m256i pick = _mm256_add_epi8(
+        _mm256_set_epi64x(0x0302030203020302, 0x0302030203020302, 0x0100010001000100,
+                          0x0100010001000100),
+        bytes(4 * (g % 4)));
+    return _mm256_shuffle_epi8(half[g / 4], pick);
+  }
+};
+
+// Q4_K/Q5_K's scales (bytes 0..7) and minimums (8..15).
+inline __m128i q4k_scales_v(const uint8_t* packed) {
+  uint32_t u[4];
+  q4k_words(packed, u);
+  return words_v(u);
+}
+
+// Q3_K's 16 scales, centred, as int16.
+inline __m256i q3k_scales16(const uint8_t* packed) {
+  uint32_t u[4];
+  q3k_words(packed, u);
+  return _mm256_cvtepi8_epi16(_mm_sub_epi8(words_v(u), _mm_set1_epi8(32)));
+}
+
+// IQ4_XS's 8 scales, centred, as int16 in both 128-bit halves. Scale j's top bits are bits
+// 2j of a uint16: a multiply by 2^(14 - 2j) brings them to the top of lane j.
+inline __m256i iq4xs_scales16(const uint8_t* b) {
+  uint16_t high;
+  uint32_t low;
+  std::memcpy(&high, b + 2, sizeof high);
+  std::memcpy(&low, b + 4, sizeof low);
+  const __m128i l = _mm_cvtsi32_si128(static_cast<int>(low)), nib = _mm_set1_epi8(0x0f);
+  const __m128i low8 =
+      _mm_unpacklo_epi8(_mm_and_si128(l, nib), _mm_and_si128(_mm_srli_epi16(l, 4), nib));
+  const __m128i top = _mm_srli_epi16(
+      _mm_mullo_epi16(_mm_set1_epi16(static_cast<short>(high)),
+                      _mm_set_epi16(1, 4, 16, 64, 256, 1024, 4096, 16384)),
+      14);
+  const __m128i sc = _mm_or_si128(_mm_cvtepu8_epi16(low8), _mm_slli_epi16(top, 4));
+  return _mm256_broadcastsi128_si256(_mm_sub_epi16(sc, _mm_set1_epi16(32)));
+}
+
+// The centre's share of a block's sum, for codes taken unsigned (code + centre):
+// -centre * sum_j sc_j bsum_j.
+inline __m256i centred_start(__m256i sc16, const ActQ8K& a, int centre) {
+  const __m256i share = _mm256_madd_epi16(bsums(a), sc16);
+  return _mm256_mullo_epi32(share, _mm256_set1_epi32(-centre));
+}
+
 struct Q2K {
+  static constexpr int64_t kBytes = 84;
+  static constexpr bool kHasMin = true, kSigned = false;
   template <class F>
   static void groups(const uint8_t* b, F f) {
     for (int h = 0; h < 2; ++h) {
@@ -165,10 +242,23 @@ struct Q2K {
         f(4 * h + s, _mm256_and_si256(_mm256_srli_epi16(qs, 2 * s), bytes(3)));
     }
   }
+  struct Block {
+    float d, dmin;
+    __m256i m16;
+    GroupScales scale;
+    explicit Block(const uint8_t* b)
+        : d(f16_at(b + 80)), dmin(f16_at(b + 82)),
+          m16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(load16(b), 4), _mm_set1_epi8(15)))),
+          scale(_mm256_cvtepu8_epi16(_mm_and_si128(load16(b), _mm_set1_epi8(15)))) {}
+    __m256i start(const ActQ8K&) const { return _mm256_setzero_si256(); }
+    __m256i mins(const ActQ8K& a) const { return _mm256_madd_epi16(bsums(a), m16); }
+  };
 };
 
 struct Q3K {
+  static constexpr int64_t kBytes = 110;
   static constexpr int kCentre = 4;
+  static constexpr bool kHasMin = false, kSigned = false;
   // 2 low bits from qs, and 4 where hmask's bit is set (code + 4). Group g's hmask bit is
   // bit g of each byte: shifted down one a group (16-bit shifts: a byte's low bit stays its
   // own for 8 shifts).
@@ -184,10 +274,34 @@ struct Q3K {
       }
     }
   }
+  struct Block {
+    float d, dmin = 0.0f;
+    __m256i sc16;
+    GroupScales scale;
+    explicit Block(const uint8_t* b)
+        : d(f16_at(b + 108)), sc16(q3k_scales16(b + 96)), scale(sc16) {}
+    __m256i start(const ActQ8K& a) const { return centred_start(sc16, a, kCentre); }
+    __m256i mins(const ActQ8K&) const { return _mm256_setzero_si256(); }
+  };
+};
+
+// Q4_K/Q5_K's scales and minimums per 32 values.
+struct Q45Block {
+  float d, dmin;
+  __m256i sc16, m16;
+  explicit Q45Block(const uint8_t* b) : d(f16_at(b)), dmin(f16_at(b + 2)) {
+    const __m128i sm = q4k_scales_v(b + 4);
+    sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+    m16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));  // m_j for bsums 2j and 2j + 1
+  }
+  __m256i scale(int g) const { return sub_scale(sc16, g); }
+  __m256i start(const ActQ8K&) const { return _mm256_setzero_si256(); }
+  __m256i mins(const ActQ8K& a) const { return _mm256_madd_epi16(bsums(a), m16); }
 };
 
 struct Q4K {
   static constexpr int64_t kBytes = 144;
+  static constexpr bool kHasMin = true, kSigned = false;
   template <class F>
   static void groups(const uint8_t* b, F f) {
     for (int c = 0; c < 4; ++c) {
@@ -196,10 +310,12 @@ struct Q4K {
       f(2 * c + 1, _mm256_and_si256(_mm256_srli_epi16(qs, 4), bytes(0x0f)));
     }
   }
+  using Block = Q45Block;
 };
 
 struct Q5K {
   static constexpr int64_t kBytes = 176;
+  static constexpr bool kHasMin = true, kSigned = false;
   // Group g's fifth bits are bit g of qh's bytes: shifted down two a chunk, bits 0 and 1 of
   // every byte are the chunk's.
   template <class F>
@@ -214,10 +330,13 @@ struct Q5K {
       qh = _mm256_srli_epi16(qh, 2);
     }
   }
+  using Block = Q45Block;
 };
 
 struct Q6K {
+  static constexpr int64_t kBytes = 210;
   static constexpr int kCentre = 32;
+  static constexpr bool kHasMin = false, kSigned = false;
   template <class F>
   static void groups(const uint8_t* b, F f) {
     const __m256i low4 = bytes(0x0f), high2 = bytes(0x30);
@@ -234,9 +353,20 @@ struct Q6K {
                                    _mm256_and_si256(_mm256_srli_epi16(qh, 2), high2)));
     }
   }
+  struct Block {
+    float d, dmin = 0.0f;
+    __m256i sc16;
+    GroupScales scale;
+    explicit Block(const uint8_t* b)
+        : d(f16_at(b + 208)), sc16(_mm256_cvtepi8_epi16(load16(b + 192))), scale(sc16) {}
+    __m256i start(const ActQ8K& a) const { return centred_start(sc16, a, kCentre); }
+    __m256i mins(const ActQ8K&) const { return _mm256_setzero_si256(); }
+  };
 };
 
 struct Iq4Xs {
+  static constexpr int64_t kBytes = 136;
+  static constexpr bool kHasMin = false, kSigned = true;
   // Sub-block j's codes: low nibbles of its 16 bytes, then high, looked up as signed values.
   template <class F>
   static void groups(const uint8_t* b, F f) {
@@ -249,6 +379,14 @@ struct Iq4Xs {
       f(j, _mm256_shuffle_epi8(table, codes));
     }
   }
+  struct Block {
+    float d, dmin = 0.0f;
+    __m256i sc16;
+    explicit Block(const uint8_t* b) : d(f16_at(b)), sc16(iq4xs_scales16(b)) {}
+    __m256i scale(int g) const { return sub_scale(sc16, g); }
+    __m256i start(const ActQ8K&) const { return _mm256_setzero_si256(); }
+    __m256i mins(const ActQ8K&) const { return _mm256_setzero_si256(); }
+  };
 };
 
 // --- dequantize: the codes to floats, d * sc and dmin * m computed first, as scalars, and
@@ -361,8 +499,6 @@ void dequantize_iq4xs(const uint8_t* b, float* out, int64_t nblocks) {
 
 // --- dots
 
-inline __m256i bsums(const ActQ8K& a) { return load32(a.bsums); }
-
 // acc + the 8 int32 sums of four u * q products, each pair of int16 lanes of maddubs' times
 // its scale lane. maddubs cannot saturate: u <= 63 and |q| <= 127.
 inline __m256i dot_scaled(__m256i acc, __m256i u, __m256i q, __m256i scales16) {
@@ -374,12 +510,6 @@ inline __m256i dot_scaled(__m256i acc, __m256i u, __m256i q, __m256i scales16) {
 #endif
 }
 
-// A block's integer sum, kept in two chains of accumulators (a block is too short for one
-// to hide dpwssd's latency), as floats.
-inline __m256 as_float(const __m256i sumi[2]) {
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(sumi[0], sumi[1]));
-}
-
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -387,175 +517,91 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Scales are unpacked in registers, never through memory: a block's scale work is as long
-// as its dot products.
-inline __m128i words_v(const uint32_t u[4]) {
-  return _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]), static_cast<int>(u[1]),
-                       static_cast<int>(u[0]));
-}
-
-// Types with a scale per 32 values (Q4_K, Q5_K, IQ4_XS) hold their 8 scales as int16 in both
-// 128-bit halves; sub-block j's scale in every lane is then one shuffle, where a broadcast
-// from memory or a general register takes two or three instructions.
-inline __m256i sub_scale(__m256i sc16, int j) {
-  return _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(static_cast<short>(0x0100 + 0x0202 * j)));
-}
-
-// Types with a scale per 16 values (Q2_K, Q3_K, Q6_K) hold their 16 as int16 [16]. Group g
-// of 32 values (sub-blocks 2g, 2g + 1) takes lane 2g's scale in the low 128 bits, 2g + 1's
-// in the high: from lanes 8h..8h+7 in both halves (h = g / 4), bytes (4 (g % 4), + 1)
-// repeated low, (4 (g % 4) + 2, + 3) high.
-struct GroupScales {
-  __m256i half[2];
-  explicit GroupScales(__m256i sc16)
-      : half{_mm256_permute4x64_epi64(sc16, 0x44), _mm256_permute4x64_epi64(sc16, 0xee)} {}
-  __m256i operator()(int g) const {
-    const __m256i pick = _mm256_add_epi8(
-        _mm256_set_epi64x(0x0302030203020302, 0x0302030203020302, 0x0100010001000100,
-                          0x0100010001000100),
-        bytes(4 * (g % 4)));
-    return _mm256_shuffle_epi8(half[g / 4], pick);
+// One weight row against R activation rows (act_row_bytes apart), each block unpacked once
+// for all of them: out[r * out_stride].
+template <class T, int R>
+void dot_fixed(const uint8_t* row, const uint8_t* act, int64_t act_row_bytes, float* out,
+               int64_t out_stride, int64_t nblocks) {
+  // One row alone keeps two chains of accumulators: a block is too short for one chain to
+  // hide dpwssd's latency. Several rows are chains enough.
+  constexpr int kChains = R == 1 ? 2 : 1;
+  const ActQ8K* a[R];
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) {
+    a[r] = reinterpret_cast<const ActQ8K*>(act + r * act_row_bytes);
+    acc[r] = _mm256_setzero_ps();
   }
-};
-
-// Q4_K/Q5_K's scales (bytes 0..7) and minimums (8..15).
-inline __m128i q4k_scales_v(const uint8_t* packed) {
-  uint32_t u[4];
-  q4k_words(packed, u);
-  return words_v(u);
-}
-
-// Q3_K's 16 scales, centred, as int16.
-inline __m256i q3k_scales16(const uint8_t* packed) {
-  uint32_t u[4];
-  q3k_words(packed, u);
-  return _mm256_cvtepi8_epi16(_mm_sub_epi8(words_v(u), _mm_set1_epi8(32)));
-}
-
-// IQ4_XS's 8 scales, centred, as int16 in both 128-bit halves. Scale j's top bits are bits
-// 2j of a uint16: a multiply by 2^(14 - 2j) brings them to the top of lane j.
-inline __m256i iq4xs_scales16(const uint8_t* b) {
-  uint16_t high;
-  uint32_t low;
-  std::memcpy(&high, b + 2, sizeof high);
-  std::memcpy(&low, b + 4, sizeof low);
-  const __m128i l = _mm_cvtsi32_si128(static_cast<int>(low)), nib = _mm_set1_epi8(0x0f);
-  const __m128i low8 =
-      _mm_unpacklo_epi8(_mm_and_si128(l, nib), _mm_and_si128(_mm_srli_epi16(l, 4), nib));
-  const __m128i top = _mm_srli_epi16(
-      _mm_mullo_epi16(_mm_set1_epi16(static_cast<short>(high)),
-                      _mm_set_epi16(1, 4, 16, 64, 256, 1024, 4096, 16384)),
-      14);
-  const __m128i sc = _mm_or_si128(_mm_cvtepu8_epi16(low8), _mm_slli_epi16(top, 4));
-  return _mm256_broadcastsi128_si256(_mm_sub_epi16(sc, _mm_set1_epi16(32)));
-}
-
-template <class T>
-float dot_q45k(const uint8_t* row, const void* act, int64_t nblocks) {
-  const ActQ8K* a = static_cast<const ActQ8K*>(act);
-  __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
   for (int64_t n = 0; n < nblocks; ++n, row += T::kBytes) {
-    const float d = f16_at(row) * a[n].d, dmin = f16_at(row + 2) * a[n].d;
-    const __m128i sm = q4k_scales_v(row + 4);
-    const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
-    // The minimums: m_j * (bsum 2j + bsum 2j + 1).
-    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
-    const __m256i m = _mm256_madd_epi16(bsums(a[n]), m16);
-    accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(m), accm);
-    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    const typename T::Block block(row);
+    __m256i sumi[R][kChains];
+    for (int r = 0; r < R; ++r) {
+      sumi[r][0] = block.start(a[r][n]);
+      if constexpr (kChains == 2) sumi[r][1] = _mm256_setzero_si256();
+    }
     T::groups(row, [&](int g, __m256i u) {
-      sumi[g & 1] = dot_scaled(sumi[g & 1], u, load32(a[n].q + 32 * g), sub_scale(sc16, g));
+      const __m256i scale = block.scale(g);
+      if constexpr (T::kSigned) {
+        // Signed values w: maddubs takes |w| and moves w's sign onto q.
+        const __m256i w_abs = _mm256_abs_epi8(u);
+        for (int r = 0; r < R; ++r) {
+          const __m256i q = _mm256_sign_epi8(load32(a[r][n].q + 32 * g), u);
+          sumi[r][g % kChains] = dot_scaled(sumi[r][g % kChains], w_abs, q, scale);
+        }
+      } else {
+        for (int r = 0; r < R; ++r)
+          sumi[r][g % kChains] =
+              dot_scaled(sumi[r][g % kChains], u, load32(a[r][n].q + 32 * g), scale);
+      }
     });
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
+    for (int r = 0; r < R; ++r) {
+      __m256i total = sumi[r][0];
+      if constexpr (kChains == 2) total = _mm256_add_epi32(total, sumi[r][1]);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(block.d * a[r][n].d), _mm256_cvtepi32_ps(total),
+                               acc[r]);
+      if constexpr (T::kHasMin)
+        acc[r] = _mm256_fnmadd_ps(_mm256_set1_ps(block.dmin * a[r][n].d),
+                                  _mm256_cvtepi32_ps(block.mins(a[r][n])), acc[r]);
+    }
   }
-  return hsum(_mm256_sub_ps(acc, accm));
+  for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]);
 }
 
-float dot_q4k(const uint8_t* row, const void* act, int64_t nblocks) {
-  return dot_q45k<Q4K>(row, act, nblocks);
-}
-
-float dot_q5k(const uint8_t* row, const void* act, int64_t nblocks) {
-  return dot_q45k<Q5K>(row, act, nblocks);
-}
-
-// Q3_K/Q6_K: codes taken unsigned, code + centre, which comes back out as
-// centre * sum_j sc_j bsum_j.
 template <class T>
-inline __m256i centred_start(__m256i sc16, const ActQ8K& a) {
-  const __m256i centre = _mm256_mullo_epi32(_mm256_madd_epi16(bsums(a), sc16),
-                                            _mm256_set1_epi32(T::kCentre));
-  return _mm256_sub_epi32(_mm256_setzero_si256(), centre);
+float dot(const uint8_t* row, const void* act, int64_t nblocks) {
+  float out;
+  dot_fixed<T, 1>(row, static_cast<const uint8_t*>(act), 0, &out, 0, nblocks);
+  return out;
 }
 
-float dot_q6k(const uint8_t* row, const void* act, int64_t nblocks) {
-  const ActQ8K* a = static_cast<const ActQ8K*>(act);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t n = 0; n < nblocks; ++n, row += 210) {
-    const float d = f16_at(row + 208) * a[n].d;
-    const __m256i sc16 = _mm256_cvtepi8_epi16(load16(row + 192));
-    const GroupScales scale(sc16);
-    __m256i sumi[2] = {centred_start<Q6K>(sc16, a[n]), _mm256_setzero_si256()};
-    Q6K::groups(row, [&](int g, __m256i u) {
-      sumi[g & 1] = dot_scaled(sumi[g & 1], u, load32(a[n].q + 32 * g), scale(g));
-    });
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
+// Up to 4 activation rows at a time: 4 rows' accumulators and the unpacked codes fit
+// AVX2's 16 registers.
+template <class T>
+void dot_rows(const uint8_t* row, const void* act, int64_t act_row_bytes, int64_t m, float* out,
+              int64_t out_stride, int64_t nblocks) {
+  const uint8_t* a = static_cast<const uint8_t*>(act);
+  for (int64_t i = 0; i < m;) {
+    const uint8_t* x = a + i * act_row_bytes;
+    float* y = out + i * out_stride;
+    switch (m - i) {
+      case 1: dot_fixed<T, 1>(row, x, act_row_bytes, y, out_stride, nblocks); i += 1; break;
+      case 2: dot_fixed<T, 2>(row, x, act_row_bytes, y, out_stride, nblocks); i += 2; break;
+      case 3: dot_fixed<T, 3>(row, x, act_row_bytes, y, out_stride, nblocks); i += 3; break;
+      default: dot_fixed<T, 4>(row, x, act_row_bytes, y, out_stride, nblocks); i += 4; break;
+    }
   }
-  return hsum(acc);
 }
 
-float dot_q3k(const uint8_t* row, const void* act, int64_t nblocks) {
-  const ActQ8K* a = static_cast<const ActQ8K*>(act);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t n = 0; n < nblocks; ++n, row += 110) {
-    const float d = f16_at(row + 108) * a[n].d;
-    const __m256i sc16 = q3k_scales16(row + 96);
-    const GroupScales scale(sc16);
-    __m256i sumi[2] = {centred_start<Q3K>(sc16, a[n]), _mm256_setzero_si256()};
-    Q3K::groups(row, [&](int g, __m256i u) {
-      sumi[g & 1] = dot_scaled(sumi[g & 1], u, load32(a[n].q + 32 * g), scale(g));
-    });
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
-  }
-  return hsum(acc);
+template <class T>
+constexpr BlockType entry(const char* name, void (*dequantize)(const uint8_t*, float*, int64_t)) {
+  return {name, 256, T::kBytes, ActFormat::Q8K, dequantize, &dot<T>, &dot_rows<T>};
 }
 
-float dot_q2k(const uint8_t* row, const void* act, int64_t nblocks) {
-  const ActQ8K* a = static_cast<const ActQ8K*>(act);
-  __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-  for (int64_t n = 0; n < nblocks; ++n, row += 84) {
-    const float d = f16_at(row + 80) * a[n].d, dmin = f16_at(row + 82) * a[n].d;
-    const __m128i s = load16(row), low4 = _mm_set1_epi8(0x0f);
-    const __m256i sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s, low4));
-    const __m256i m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), low4));
-    accm = _mm256_fmadd_ps(_mm256_set1_ps(dmin),
-                           _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums(a[n]), m16)), accm);
-    const GroupScales scale(sc16);
-    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    Q2K::groups(row, [&](int g, __m256i u) {
-      sumi[g & 1] = dot_scaled(sumi[g & 1], u, load32(a[n].q + 32 * g), scale(g));
-    });
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
-  }
-  return hsum(_mm256_sub_ps(acc, accm));
-}
-
-float dot_iq4xs(const uint8_t* row, const void* act, int64_t nblocks) {
-  const ActQ8K* a = static_cast<const ActQ8K*>(act);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t n = 0; n < nblocks; ++n, row += 136) {
-    const float d = f16_at(row) * a[n].d;
-    const __m256i sc16 = iq4xs_scales16(row);
-    __m256i sumi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-    Iq4Xs::groups(row, [&](int j, __m256i w) {
-      // The values are signed: maddubs takes |w| and moves w's sign onto q.
-      const __m256i q = _mm256_sign_epi8(load32(a[n].q + 32 * j), w);
-      sumi[j & 1] = dot_scaled(sumi[j & 1], _mm256_abs_epi8(w), q, sub_scale(sc16, j));
-    });
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), as_float(sumi), acc);
-  }
-  return hsum(acc);
-}
+constexpr BlockType kQ2K = entry<Q2K>("Q2_K", &dequantize_q2k);
+constexpr BlockType kQ3K = entry<Q3K>("Q3_K", &dequantize_q3k);
+constexpr BlockType kQ4K = entry<Q4K>("Q4_K", &dequantize_q4k);
+constexpr BlockType kQ5K = entry<Q5K>("Q5_K", &dequantize_q5k);
+constexpr BlockType kQ6K = entry<Q6K>("Q6_K", &dequantize_q6k);
+constexpr BlockType kIq4Xs = entry<Iq4Xs>("IQ4_XS", &dequantize_iq4xs);
 
 #else
 // ---------------------------------------------------------------------------------------
@@ -794,7 +840,6 @@ float dot_iq4xs(const uint8_t* row, const void* act, int64_t nblocks) {
   }
   return total;
 }
-#endif
 
 constexpr BlockType kQ2K{"Q2_K", 256, 84, ActFormat::Q8K, &dequantize_q2k, &dot_q2k};
 constexpr BlockType kQ3K{"Q3_K", 256, 110, ActFormat::Q8K, &dequantize_q3k, &dot_q3k};
@@ -802,6 +847,8 @@ constexpr BlockType kQ4K{"Q4_K", 256, 144, ActFormat::Q8K, &dequantize_q4k, &dot
 constexpr BlockType kQ5K{"Q5_K", 256, 176, ActFormat::Q8K, &dequantize_q5k, &dot_q5k};
 constexpr BlockType kQ6K{"Q6_K", 256, 210, ActFormat::Q8K, &dequantize_q6k, &dot_q6k};
 constexpr BlockType kIq4Xs{"IQ4_XS", 256, 136, ActFormat::Q8K, &dequantize_iq4xs, &dot_iq4xs};
+#endif
+
 
 }  // namespace
 
