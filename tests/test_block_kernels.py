@@ -73,7 +73,7 @@ def test_dequantize_equals_the_gguf_package(ext, qtype):
 
 
 @pytest.mark.parametrize("qtype", Q32, ids=Q32.values())
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16])
 @pytest.mark.parametrize("k", [96, 1056])
 def test_gemv_equals_linear_on_8_bit_activations(ext, qtype, m, k):
     b = random_blocks(qtype, 200, k, seed=m)

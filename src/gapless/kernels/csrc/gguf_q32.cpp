@@ -94,9 +94,17 @@ inline void fifth_bits(const uint8_t* qh, uint8_t* u) {
 
 #if defined(__AVX2__)
 inline __m256i nibbles_v(const uint8_t* qs) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+  // The 16 bytes in both halves (a load, no shuffle), the upper half shifted to its nibbles.
+  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i v = _mm256_srlv_epi32(b, _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0));
   return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+}
+
+// The f16 at p in every lane: a broadcast load and one conversion.
+inline __m256 f16_v(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(h)));
 }
 
 // 0x10 in byte j where bit j of qh is set.
@@ -301,25 +309,23 @@ template <class T>
 constexpr bool kSigned = T::kSignedAvx2;
 #endif
 
-// One block into acc (8 partial sums, scaled) and folded (sum of s d for the centre, or of
-// s m for the minimum, to take out or add once at the end).
+// One block into acc (8 partial sums, scaled) and folded (s d for the centre, or s m for the
+// minimum, in every lane, to take out or add once at the end). Every type has d at byte 0
+// and its minimum, if any, at byte 2.
 template <class T>
 inline __attribute__((always_inline)) void dot_block(const uint8_t* w, const ActQ8& a,
-                                                     __m256& acc, float& folded) {
+                                                     __m256& acc, __m256& folded) {
   const __m256i q = load32(a.q);
-  const float d = T::d(w);
+  const __m256 d = f16_v(w);
   __m256i sums;
   if constexpr (kSigned<T>) {
     const __m256i c = T::scodes(w);
     sums = dot_u8s8(_mm256_abs_epi8(c), _mm256_sign_epi8(q, c));
   } else {
     sums = dot_u8s8(T::ucodes(w), q);
-    if constexpr (T::kHasMin)
-      folded += a.s * T::m(w);
-    else
-      folded += a.s * d;
+    folded = _mm256_fmadd_ps(T::kHasMin ? f16_v(w + 2) : d, _mm256_set1_ps(a.s), folded);
   }
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * a.d), acc);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc);
 }
 #endif
 
@@ -338,14 +344,15 @@ float dot(const uint8_t* row, const void* act, int64_t nblocks) {
 #if defined(__AVX2__)
   // Two chains of accumulators: a block's work is short next to an FMA's latency.
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  float folded0 = 0.0f, folded1 = 0.0f;
+  __m256 folded0 = _mm256_setzero_ps(), folded1 = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b + 1 < nblocks; b += 2) {
     dot_block<T>(row + b * T::kBytes, a[b], acc0, folded0);
     dot_block<T>(row + (b + 1) * T::kBytes, a[b + 1], acc1, folded1);
   }
   if (b < nblocks) dot_block<T>(row + b * T::kBytes, a[b], acc0, folded0);
-  return finish<T>(hsum(_mm256_add_ps(acc0, acc1)), folded0 + folded1);
+  return finish<T>(hsum(_mm256_add_ps(acc0, acc1)),
+                   _mm256_cvtss_f32(_mm256_add_ps(folded0, folded1)));
 #else
   float total = 0.0f;
   for (int64_t b = 0; b < nblocks; ++b, row += T::kBytes) {
@@ -368,17 +375,16 @@ float dot(const uint8_t* row, const void* act, int64_t nblocks) {
 template <class T, int R>
 void dot_rows_fixed(const uint8_t* row, const ActQ8* a, int64_t act_stride, float* out,
                     int64_t out_stride, int64_t nblocks) {
-  __m256 acc[R];
-  float folded[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), folded[r] = 0.0f;
+  __m256 acc[R], folded[R];
+  for (int r = 0; r < R; ++r) acc[r] = folded[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b, row += T::kBytes) {
-    const float d = T::d(row);
+    const __m256 d = f16_v(row);
     __m256i w, w_abs;
     if constexpr (kSigned<T>)
       w = T::scodes(row), w_abs = _mm256_abs_epi8(w);
     else
       w = T::ucodes(row);
-    const float fold_scale = T::kHasMin ? T::m(row) : d;
+    const __m256 fold_scale = T::kHasMin ? f16_v(row + 2) : d;
     for (int r = 0; r < R; ++r) {
       const ActQ8& x = a[r * act_stride + b];
       const __m256i q = load32(x.q);
@@ -387,12 +393,14 @@ void dot_rows_fixed(const uint8_t* row, const ActQ8* a, int64_t act_stride, floa
         sums = dot_u8s8(w_abs, _mm256_sign_epi8(q, w));
       } else {
         sums = dot_u8s8(w, q);
-        folded[r] += x.s * fold_scale;
+        folded[r] = _mm256_fmadd_ps(fold_scale, _mm256_set1_ps(x.s), folded[r]);
       }
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * x.d), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(x.d)),
+                               acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r * out_stride] = finish<T>(hsum(acc[r]), folded[r]);
+  for (int r = 0; r < R; ++r)
+    out[r * out_stride] = finish<T>(hsum(acc[r]), _mm256_cvtss_f32(folded[r]));
 }
 #endif
 
