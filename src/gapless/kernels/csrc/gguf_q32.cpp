@@ -48,18 +48,53 @@ float half_to_float(uint16_t h) {
 }
 
 void quantize_act_q8(const float* x, ActQ8* out, int64_t n) {
-  // ggml's Q8_0 of activations, rounding to nearest even on every path (nearbyint, and the
-  // vector convert's default mode) so that all builds agree to the bit.
+  // ggml's Q8_0 of activations. Every path finds the same amax, multiplies by the same id
+  // and rounds to nearest even (nearbyint, and the vector converts' default mode), so all
+  // builds agree to the bit.
   for (int64_t b = 0; b < n / 32; ++b, x += 32) {
+#if defined(__AVX512F__)
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+#elif defined(__AVX2__)
+    __m256 v[4], m = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_loadu_ps(x + 8 * i), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
     float amax = 0.0f;
     for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(x[j]));
+#endif
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
     int sum = 0;
+#if defined(__AVX512F__)
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out[b].q), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out[b].q + 16), _mm512_cvtepi32_epi8(q1));
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif defined(__AVX2__)
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+    // |q| <= 127: the packs do not saturate; they interleave 32-bit groups, the permute
+    // restores their order.
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                             _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].q),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+    s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4e));
+    sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1)));
+#else
     for (int j = 0; j < 32; ++j) {
       const int q = static_cast<int>(std::nearbyint(x[j] * id));
       out[b].q[j] = static_cast<int8_t>(q);
       sum += q;
     }
+#endif
     out[b].d = d;
     out[b].s = d * static_cast<float>(sum);
   }
