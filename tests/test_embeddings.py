@@ -182,6 +182,14 @@ def test_an_embedding_prompt_may_fill_the_context_but_not_more(llama_dir):
     assert e.pool.num_used == 0
 
 
+def test_two_tensor_parallel_ranks_embed_as_one(llama_dir, hf):
+    ids = prompt(40, 3)
+    with LLM(llama_dir, dtype="float32", prefill_chunk=CHUNK, tensor_parallel_size=2) as llm:
+        for pooling in ("last", "mean"):
+            [vector] = llm.embed([ids], pooling=pooling)
+            assert close(vector, reference(hf, ids, pooling), 1e-4)
+
+
 # -- the server -----------------------------------------------------------------------------
 
 
