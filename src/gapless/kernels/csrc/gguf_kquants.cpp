@@ -31,26 +31,55 @@
 
 namespace gapless_gguf {
 
+namespace {
+
+// The first of 256 values with the largest magnitude, or -1 where all are zero.
+int top_index(const float* x) {
+#if defined(__AVX2__)
+  const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  for (int j = 0; j < 256; j += 8)  // max(v, m): a NaN v leaves m, as the scalar loop does
+    m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), abs), m);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  if (amax == 0.0f) return -1;
+  const __m256 target = _mm256_set1_ps(amax);
+  for (int j = 0; j < 256; j += 8) {
+    const __m256 ax = _mm256_and_ps(_mm256_loadu_ps(x + j), abs);
+    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(ax, target, _CMP_EQ_OQ));
+    if (hits != 0) return j + __builtin_ctz(static_cast<unsigned>(hits));
+  }
+  return -1;  // not reached: amax is one of them
+#else
+  float amax = 0.0f;
+  int top = -1;
+  for (int j = 0; j < 256; ++j) {
+    const float ax = std::fabs(x[j]);
+    if (ax > amax) amax = ax, top = j;
+  }
+  return top;
+#endif
+}
+
+}  // namespace
+
 void quantize_act_q8k(const float* x, ActQ8K* out, int64_t n) {
   // ggml's Q8_K: the value of largest magnitude maps to -127 (its sign flips the scale), so
   // every q lies in -127..127 and maddubs' pairs never overflow. Rounds to nearest even.
   for (int64_t b = 0; b < n / 256; ++b, x += 256) {
     ActQ8K& o = out[b];
-    float amax = 0.0f, max = 0.0f;
-    for (int j = 0; j < 256; ++j) {
-      const float ax = std::fabs(x[j]);
-      if (ax > amax) {
-        amax = ax;
-        max = x[j];
-      }
-    }
-    if (amax == 0.0f) {
+    const int top = top_index(x);
+    if (top < 0) {
       std::memset(&o, 0, sizeof o);
       continue;
     }
-    const float iscale = -127.0f / max;
+    const float iscale = -127.0f / x[top];
     for (int j = 0; j < 256; ++j) {
-      const float v = std::nearbyint(iscale * x[j]);
+      // To nearest even as nearbyint, for |v| <= 128, by adding and taking off 1.5 * 2^23
+      // (whose ulp is 1); unlike nearbyint it vectorizes without SSE4.1's round.
+      const float v = (iscale * x[j] + 12582912.0f) - 12582912.0f;
       o.q[j] = static_cast<int8_t>(v < 127.0f ? v : 127.0f);
     }
     for (int j = 0; j < 16; ++j) {
