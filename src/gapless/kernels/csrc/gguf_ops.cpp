@@ -165,7 +165,11 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
   const int64_t tile = (n + tiles - 1) / tiles;
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   at::Tensor out = at::empty({x.size(0), n}, x.options());
+  // Worker threads do not inherit the caller's inference mode, and `out` is an inference
+  // tensor when the caller runs in one (the decoder's forward): writing it needs it too.
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    c10::InferenceMode guard(inference);
     at::Tensor buffer = at::empty({tile, k}, x.options());
     std::vector<float> scratch(k);
     for (int64_t i = t0; i < t1; ++i) {
