@@ -105,6 +105,16 @@ def test_mm_equals_linear_on_the_dequantized_weight(ext, qtype, m):
     assert_close_to_sums(got, want, x, w, 1e-2)
 
 
+def test_mm_runs_in_inference_mode(ext):
+    """The decoder's forward runs in inference mode, which mm's worker threads must share
+    to write its output."""
+    b = random_blocks(2, 200, 96)
+    x = torch.randn(64, 96)
+    with torch.inference_mode():
+        got = ext.mm(x, b, 2)
+    assert_close_to_sums(got, F.linear(x, reference(b, 2, 96)), x, reference(b, 2, 96), 1e-5)
+
+
 def test_unsupported_types_and_shapes_say_so(ext):
     with pytest.raises(RuntimeError, match="GGUF block type 1 has no kernel"):
         ext.gemv(torch.ones(1, 32), torch.zeros(2, 64, dtype=torch.uint8), 1)
