@@ -9,11 +9,13 @@
 // codes unsigned (Q6_K: 0..63 for code + 32, Q3_K: 0..7 for code + 4) and fold the centre
 // back out the same way, through the bsums. The sub-block scale is applied to maddubs' int16
 // pairs by madd (AVX2) or dpwssd (VNNI), which multiplies and accumulates in one
-// instruction; dpbusd would leave the scale for a separate integer multiply.
+// instruction; dpbusd would leave the scale for a separate integer multiply. A decode
+// batch's rows (dot_rows) share each unpacked block, 4 rows at a time.
 //
 // dequantize computes each value in float32 as the `gguf` package's numpy does, operation
 // for operation (d * sc first, then times the code, then minus dmin * m): the build's
-// -ffp-contract=off (blocks.py) keeps the compiler from fusing the last two.
+// -ffp-contract=off (blocks.py) keeps the compiler from fusing the last two, as it keeps
+// quantize_act_q8k's rounding (a multiply, then an add) in two steps.
 //
 // Multi-byte fields are read little-endian, as GGUF stores them and x86 runs.
 #include "gguf_blocks.h"
