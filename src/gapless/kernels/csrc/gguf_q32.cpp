@@ -82,8 +82,9 @@ void quantize_act_q8(const float* x, ActQ8* out, int64_t n) {
     // restores their order.
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
                                              _mm256_packs_epi32(q[2], q[3]));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[b].q),
-                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+                        _mm256_permutevar8x32_epi32(bytes, order));
     const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
     s2 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0x4e));
@@ -110,7 +111,7 @@ inline float f16_at(const uint8_t* p) {
 
 // ggml's IQ4_NL values (kvalues_iq4nl).
 constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                               1,    13,   25,  38,  53,  69,  89,  113};
+                                     1,    13,   25,  38,  53,  69,  89,  113};
 
 // Codes j and j + 16 share byte j: low nibble, high nibble.
 inline void nibbles(const uint8_t* qs, uint8_t* u) {
@@ -130,7 +131,8 @@ inline void fifth_bits(const uint8_t* qh, uint8_t* u) {
 #if defined(__AVX2__)
 inline __m256i nibbles_v(const uint8_t* qs) {
   // The 16 bytes in both halves (a load, no shuffle), the upper half shifted to its nibbles.
-  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i b = _mm256_broadcastsi128_si256(bytes);
   const __m256i v = _mm256_srlv_epi32(b, _mm256_set_epi32(4, 4, 4, 4, 0, 0, 0, 0));
   return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
 }
