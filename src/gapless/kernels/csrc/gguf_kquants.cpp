@@ -563,6 +563,11 @@ void dot_fixed(const uint8_t* row, const uint8_t* act, int64_t act_row_bytes, fl
     acc[r] = _mm256_setzero_ps();
   }
   for (int64_t n = 0; n < nblocks; ++n, row += T::kBytes) {
+    // The weights 2 KB ahead (on into the next rows, which gemv reads next): several
+    // activation rows slow the stream down enough that the hardware prefetcher lets it
+    // wait on DRAM (Q4_K, 4 rows of 4864: 5.7 GB/s without, 8.9 with; 10 from cache).
+    for (int64_t o = 0; o < T::kBytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row) + 2048 + o, _MM_HINT_T0);
     const typename T::Block block(row);
     __m256i sumi[R][kChains];
     for (int r = 0; r < R; ++r) {
