@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -32,7 +33,7 @@ from gapless.engine.admission import Admission
 from gapless.engine.events import FinishedEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.structured import GrammarCompiler
-from gapless.kernels.quant import GroupQuant
+from gapless.kernels.quant import BlockQuant, Quantized
 from gapless.model.loader import expected_shapes
 from gapless.server import protocol, tool_calls
 from gapless.server.endpoint import (
@@ -385,7 +386,7 @@ def _parameter_size(count: int) -> str:
     return f"{count / 10**6:.0f}M" if count >= 10**6 else f"{count / 10**3:.0f}K"
 
 
-def _tensors(state: ServerState) -> tuple[int, list[GroupQuant]]:
+def _tensors(state: ServerState) -> tuple[int, list[Quantized]]:
     """The bytes of the tensors this process holds for the model (the weights, and small
     buffers such as a layer's rope frequencies), each counted once (tied ones share a
     tensor), and its quantized weights: all that is reachable from the decoder's embedding,
@@ -402,25 +403,31 @@ def _tensors(state: ServerState) -> tuple[int, list[GroupQuant]]:
         if isinstance(obj, torch.Tensor):
             total += obj.numel() * obj.element_size()
             continue
-        if isinstance(obj, GroupQuant):
+        if isinstance(obj, Quantized):
             quantized.append(obj)
         if isinstance(obj, list | tuple):
             todo.extend(obj)
         elif dataclasses.is_dataclass(obj) or type(obj).__module__.startswith("gapless."):
-            todo.extend(vars(obj).values())  # a layer, a linear, a norm, a GroupQuant
+            todo.extend(vars(obj).values())  # a layer, a linear, a norm, quantized weights
     return total, quantized
 
 
-def _quantization_level(state: ServerState, quantized: list[GroupQuant]) -> str:
-    """INT8 or INT4 for quantized linears (int8's GroupQuant has no offset), else the float
-    type's GGUF name."""
+def _quantization_level(state: ServerState, quantized: list[Quantized]) -> str:
+    """The GGUF block type that holds the most bytes (Q4_K for a Q4_K_M file); INT8 or INT4
+    for torch's int linears (int8's GroupQuant has no offset); else the float type's name."""
+    held: Counter[str] = Counter()
+    for w in quantized:
+        if isinstance(w, BlockQuant):
+            held[w.type_name] += w.blocks.numel()
+    if held:
+        return held.most_common(1)[0][0]
     if quantized:
-        return "INT8" if quantized[0].offset is None else "INT4"
+        return "INT8" if quantized[0].offset is None else "INT4"  # type: ignore[union-attr]
     floats = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
     return floats.get(state.engine.decoder.dtype, str(state.engine.decoder.dtype))
 
 
-def _details(state: ServerState, quantized: list[GroupQuant]) -> dict[str, Any]:
+def _details(state: ServerState, quantized: list[Quantized]) -> dict[str, Any]:
     family = _family(state)
     return {
         "parent_model": "",
