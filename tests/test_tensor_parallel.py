@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
+from gguf_files import write_gguf
 from server_fixture import SSEReader
 from test_model import (
     Seq,
@@ -34,6 +36,8 @@ from test_server_cli import ServerProcess
 from gapless import LLM, SamplingParams
 from gapless.engine import distributed
 from gapless.engine.runner import ModelRunner
+from gapless.kernels.quant import BlockQuant
+from gapless.model.checkpoint import load_model
 from gapless.model.loader import load_decoder
 from gapless.model.parallel import TensorParallel
 
@@ -51,9 +55,10 @@ def tp2() -> Iterator[TensorParallel]:
 def sharded_runner(
     parallel: TensorParallel, path: Path, num_blocks: int, quantize: str | None = None
 ) -> ModelRunner:
-    """Rank 0's runner of `path`, the worker holding the other half."""
+    """Rank 0's runner of `path` (a checkpoint or a GGUF file), the worker holding the other
+    half."""
     parallel.broadcast(distributed.LoadModel(str(path), "float32", quantize))
-    decoder = load_decoder(path, "float32", parallel.device, parallel, quantize)
+    decoder, _ = load_model(path, "float32", parallel.device, parallel, quantize)
     parallel.broadcast(distributed.AllocateKV(num_blocks, 16))
     return ModelRunner(decoder, num_blocks, 16)
 
@@ -75,13 +80,17 @@ def test_two_ranks_give_one_ranks_logits_and_tokens(checkpoint, tp2, arch):
 
 def test_int4_weights_shard_along_their_groups(checkpoint, tp2):
     # Each rank quantizes its own slice; o's and down's column halves start on a group
-    # boundary, so the codes and scales equal one rank's. 40 rows take the dequantized path.
+    # boundary, so the codes and scales (or GGUF blocks) equal one rank's. 40 rows take the
+    # dequantized path.
     path, ids = checkpoint("qwen2"), prompt(40)
     one = load_decoder(path, "float32", quantize="int4")
     expected = run_chunks(ModelRunner(one, 16, 16), Seq(ids, 0), [40])
     runner = sharded_runner(tp2, path, 16, "int4")
     for name in ("o", "down"):  # rank 0's half of the columns
         whole, half = (getattr(d.layers[0], name).weight for d in (one, runner.decoder))
+        if isinstance(half, BlockQuant):
+            assert torch.equal(half.blocks, whole.blocks[:, : half.blocks.shape[1]])
+            continue
         cols, groups = half.codes.shape[1], half.scale.shape[1]
         assert torch.equal(half.codes, whole.codes[:, :cols])
         assert torch.equal(half.scale, whole.scale[:, :groups])
@@ -89,6 +98,24 @@ def test_int4_weights_shard_along_their_groups(checkpoint, tp2):
     # Where the CPU multiplies bf16 fast, each rank's partial sums are rounded to bf16.
     tol = 1e-4 if one.kernels.reduced_dtype is None else 0.05
     assert (expected - got).abs().max().item() < tol * expected.abs().max().item()
+
+
+def test_gguf_blocks_shard_by_whole_blocks(checkpoint, tp2, tmp_path):
+    # Q8_0 rows cut as they are; o's and down's columns by whole blocks of 32 (64 and 128
+    # columns over two ranks), with no dequantized copy.
+    path, ids = write_gguf(checkpoint("qwen2"), tmp_path / "q8.gguf", QType.Q8_0), prompt(40)
+    one, _ = load_model(path, "float32")
+    if not one.kernels.gguf_blocks:
+        pytest.skip("our GGUF block kernels could not be built here")
+    expected = run_chunks(ModelRunner(one, 16, 16), Seq(ids, 0), [40])
+    runner = sharded_runner(tp2, path, 16)
+    for name in ("qkv", "o", "down", "gate"):
+        half = getattr(runner.decoder.layers[0], name).weight
+        assert isinstance(half, BlockQuant)
+    whole, half = (d.layers[0].down.weight for d in (one, runner.decoder))
+    assert torch.equal(half.blocks, whole.blocks[:, : half.blocks.shape[1]])
+    got = run_chunks(runner, Seq(ids, 0), [40])
+    assert (expected - got).abs().max().item() < 0.05 * expected.abs().max().item()
 
 
 def test_two_ranks_prefill_in_chunks_as_in_one_call(checkpoint, tp2):
