@@ -155,29 +155,35 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
   const int64_t k = x.size(1);
   check_blocks(blocks, t, k);
   const int64_t n = blocks.size(0);
-  // Tiles of at most 256 rows (~0.5-2.5 MB of bf16), as many per thread: each thread
-  // dequantizes its tiles in turn into one buffer and runs the GEMM there, single-threaded
-  // (ATen's ops are, inside parallel_for). Smaller tiles lose to the GEMM's per-call packing
-  // of x; on this Zen 4 the tiles' GEMMs then cost what one over the whole weight does.
-  constexpr int64_t kMaxTile = 256;
-  const int64_t threads = at::get_num_threads();
-  const int64_t tiles = threads * ((n + threads * kMaxTile - 1) / (threads * kMaxTile));
-  const int64_t tile = (n + tiles - 1) / tiles;
+  // Each thread takes an even share of the rows and walks it in tiles of at most 256 rows
+  // (~0.5-2.5 MB of bf16): it dequantizes a tile into its buffer and runs the GEMM there,
+  // single-threaded (ATen's ops are, inside parallel_for). Smaller tiles lose to the GEMM's
+  // per-call packing; tiles of a multiple of 32 rows keep it on whole register blocks (244
+  // rows ran ~8% slower than 240 or 256).
+  constexpr int64_t kMaxTile = 256, kAlign = 32;
+  const int64_t units = (n + kAlign - 1) / kAlign;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   // Worker threads do not inherit the caller's inference mode, and `out` is an inference
   // tensor when the caller runs in one (the decoder's forward): writing it needs it too.
   const bool inference = c10::InferenceMode::is_enabled();
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     c10::InferenceMode guard(inference);
-    at::Tensor buffer = at::empty({tile, k}, x.options());
     std::vector<float> scratch(k);
-    for (int64_t i = t0; i < t1; ++i) {
-      const int64_t r0 = i * tile, r1 = std::min(n, r0 + tile);
-      if (r0 >= r1) break;
-      dequantize_rows(t, w, r0, r1, k, x.scalar_type(), buffer.data_ptr(), scratch.data());
-      at::Tensor dst = out.narrow(1, r0, r1 - r0);  // out[:, r0:r1] = x @ tile^T, in place
-      at::mm_out(dst, x, buffer.narrow(0, 0, r1 - r0).t());
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t start = units * p / parts * kAlign;
+      const int64_t stop = std::min(n, units * (p + 1) / parts * kAlign);
+      if (start >= stop) continue;
+      const int64_t count = (stop - start + kMaxTile - 1) / kMaxTile;
+      const int64_t tile = ((stop - start + count - 1) / count + kAlign - 1) / kAlign * kAlign;
+      at::Tensor buffer = at::empty({std::min(tile, stop - start), k}, x.options());
+      for (int64_t r0 = start; r0 < stop; r0 += tile) {
+        const int64_t r1 = std::min(stop, r0 + tile);
+        dequantize_rows(t, w, r0, r1, k, x.scalar_type(), buffer.data_ptr(), scratch.data());
+        at::Tensor dst = out.narrow(1, r0, r1 - r0);  // out[:, r0:r1] = x @ tile^T, in place
+        at::mm_out(dst, x, buffer.narrow(0, 0, r1 - r0).t());
+      }
     }
   });
   return out;
