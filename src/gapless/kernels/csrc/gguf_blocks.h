@@ -62,7 +62,8 @@ struct BlockType {
 const BlockType* q32_type(int64_t ggml_type);
 const BlockType* kquant_type(int64_t ggml_type);
 
-// Activation quantizers (gguf_ops.cpp): x has n values, n a multiple of 32 (ActQ8) or 256.
+// Activation quantizers (gguf_q32.cpp, gguf_kquants.cpp): x has n values, n a multiple of
+// 32 (ActQ8) or 256 (ActQ8K).
 void quantize_act_q8(const float* x, ActQ8* out, int64_t n);
 void quantize_act_q8k(const float* x, ActQ8K* out, int64_t n);
 
