@@ -22,7 +22,6 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "gguf_ops.cpp", CSRC / "gguf_q32.cpp", CSRC / "gguf_kquants.cpp"]
 # No FMA contraction: dequantize's d * code + m must round as the `gguf` package's numpy.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
-Q32_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL"}
 
 
 @functools.cache
