@@ -2,13 +2,14 @@
 package (assembled once into the package's cache, 253 MB), runs as transformers' GGUF loader
 runs it: prompt logprobs, the greedy continuation, and the tokenizer's ids.
 
-Tolerance: this file has no Q4_0/Q4_1 tensors, so gapless dequantizes every tensor at load
-(Q4_K, Q6_K, Q5_0 by the `gguf` package's reference, Q8_0 exactly as it does) and runs float32,
-as transformers does from the same blocks: the weights are the same float32 numbers. What is
-left is float32 rounding in a different order (fused projections, another attention kernel)
-through 18 layers, with logits up to ~35: measured 2.4e-5 at most here. 2e-4 leaves room for
-another CPU's summation order; full attention in the local layers moved them by 12.7 on the
-long prompt, the global rope base in the local layers by 0.28 on a short one.
+Tolerance: gapless runs the file's Q4_K, Q6_K, Q5_0 and Q8_0 tensors in their blocks, as
+llama.cpp does, where transformers dequantizes them to float32. A linear then sees its
+inputs rounded: to bf16 in prompt chunks of more than 16 rows (tiles dequantized to bf16),
+to 8 bits per block in decode rows and smaller chunks (llama.cpp's Q8_0/Q8_K activations).
+Through 18 layers that moved a prompt token's log-probability by up to 0.26 here, 0.01-0.1
+on average over a prompt (the 6-token prompt, all 8-bit rows, most). Dequantized at load
+(GAPLESS_KERNELS=fallback) the run was exact to 2.4e-5. The greedy continuation follows
+transformers' for 15 tokens, then takes a near-tie the other way.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ PROMPTS = [
     # ~1,000 tokens of English prose: twice the local layers' 512-token window.
     heapq.__about__,
 ]
-TOLERANCE = 2e-4
+MAX_ERROR, MEAN_ERROR = 0.5, 0.15  # of a prompt token's log-probability; see above
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +72,12 @@ def test_prompt_logprobs_match_transformers_gguf_loader(llm, hf):
         out = llm.generate([ids], params)[0]
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+        errors = []
         for pos in range(1, len(ids)):
             token, logprob, _ = out.prompt_logprobs[pos]
             assert token == ids[pos]
-            assert abs(logprob - ref[pos - 1, ids[pos]].item()) < TOLERANCE, (prompt[:20], pos)
+            errors.append(abs(logprob - ref[pos - 1, ids[pos]].item()))
+        assert max(errors) < MAX_ERROR and sum(errors) / len(errors) < MEAN_ERROR, prompt[:20]
 
 
 def test_greedy_continuation_is_transformers_and_english(llm, hf):
@@ -83,8 +86,8 @@ def test_greedy_continuation_is_transformers_and_english(llm, hf):
     ids = out.prompt_token_ids
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0]
-    assert out.token_ids == ref[len(ids) :].tolist()
+    assert out.token_ids[:15] == ref[len(ids) : len(ids) + 15].tolist()
     print(repr(prompt + out.text))
     # The base model's answer: " the capital of the country of France. It is the largest city
-    # in France and the second largest city in Europe. It" (transformers' too; no "Paris").
+    # in France." (transformers' too, then it goes on otherwise; no "Paris").
     assert out.text.startswith(" the capital of the country of France.")
