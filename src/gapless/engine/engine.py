@@ -69,13 +69,16 @@ class EngineConfig:
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
     quantize: str | None = option(
         None,
-        "quantize the linears' float weights at load: int8 (a scale per row) or int4 (a scale "
-        "and offset per group); embeddings and norms stay in --dtype. A GGUF file's Q4_0/Q4_1 "
-        "weights run as int4 without this flag",
+        "quantize the linears' float weights at load, into GGUF blocks where our block kernels "
+        "run: int8 (Q8_0, a scale per 32) or int4 (Q4_1, a scale and minimum per 32); "
+        "embeddings and norms stay in --dtype. A GGUF file's quantized weights run as they "
+        "are without this flag",
         choices=QUANTIZE_CHOICES,
     )
     quantize_group_size: int = option(
-        DEFAULT_INT4_GROUP_SIZE, "int4: columns per scale and offset", choices=INT4_GROUP_SIZES
+        DEFAULT_INT4_GROUP_SIZE,
+        "int4: columns per scale and offset (32: Q4_1 blocks; 64, 128: torch's int4 op)",
+        choices=INT4_GROUP_SIZES,
     )
     block_size: int = option(16, "tokens per KV cache block", positive=True, cli=False)
     kv_cache_tokens: int | None = option(
