@@ -150,6 +150,33 @@ def test_a_q4_k_m_mix_runs_in_its_blocks_as_transformers_reads_the_file(checkpoi
     assert (got.exp() - want.exp()).abs().max().item() < 0.1
 
 
+def test_quantized_tensors_hold_their_blocks_and_nothing_more(checkpoint, tmp_path):
+    ckpt = checkpoint("qwen2", hidden_size=256, intermediate_size=512)
+    path = write_gguf(ckpt, tmp_path / "mixed.gguf", QType.Q4_K, mix=Q4_K_M_MIX)
+    decoder, _ = load_gguf(path)
+    if not decoder.kernels.gguf_blocks:
+        pytest.skip("our GGUF block kernels could not be built here")
+    file_bytes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    held = [
+        w
+        for layer in decoder.layers
+        for lin in (layer.o, layer.gate, layer.up, layer.down, *layer.qkv.parts)
+        for w in [lin.weight]
+    ]
+    held.append(decoder.embed)
+    for w in held:
+        assert isinstance(w, BlockQuant)
+        # Its own storage, exactly its blocks: no float copy, no view of a larger buffer.
+        assert w.blocks.untyped_storage().nbytes() == w.blocks.numel()
+    # q, k and v of one layer: three tensors of the file, as many bytes as there.
+    first = ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight")
+    qkv = decoder.layers[0].qkv.parts
+    assert [p.weight.blocks.numel() for p in qkv] == [file_bytes[n] for n in first]
+    assert decoder.lm_head.weight is decoder.embed  # tied: one copy serves both
+    quantized = [n for name, n in file_bytes.items() if "norm" not in name and "bias" not in name]
+    assert sum(w.blocks.numel() for w in held) == sum(quantized)
+
+
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0])
 def test_quantized_gguf_runs_as_dequantized(gguf_file, monkeypatch, qtype):
     # In its blocks on our kernels, or (where they cannot build) Q4_0/Q4_1 on torch's int4 op.
