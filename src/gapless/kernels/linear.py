@@ -195,9 +195,10 @@ class BlockLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if x.shape[0] <= self.gemv_max_rows:
-            y = blocks.gemv(x.float(), w.blocks, w.qtype).to(x.dtype)
+            y = blocks.gemv(_as(x, torch.float32), w.blocks, w.qtype)
         else:
-            y = blocks.mm(x.to(self.dense_dtype or x.dtype), w.blocks, w.qtype).to(x.dtype)
+            y = blocks.mm(_as(x, self.dense_dtype or x.dtype), w.blocks, w.qtype)
+        y = _as(y, x.dtype)
         return y if self.bias is None else y + self.bias
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
@@ -205,6 +206,11 @@ class BlockLinear:
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         return self(x) * other
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Not x.to(dtype): even a no-op cast is a dispatch, and a decode step makes ~300 of them.
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class StackedLinear:
