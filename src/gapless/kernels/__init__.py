@@ -135,17 +135,19 @@ class Kernels:
         kv_cache: KVCache,
         plans: list[AttentionPlan],
         window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention of the batch's queries q [T, H, D], whose own keys and values k, v
         [T, Hkv, D] (in the cache's dtype) are already in kv_cache, for a layer with this
-        window, each part as its plan says. Returns [T, H * D] in q's dtype."""
+        window, each part as its plan says; softcap: its scores soft-capped (plans.py).
+        Returns [T, H * D] in q's dtype."""
         run_dtype = q.dtype
         q = q.to(kv_cache[0].dtype)
         if len(plans) == 1:
-            return plans[0].attend(q, k, v, kv_cache, window).to(run_dtype)
+            return plans[0].attend(q, k, v, kv_cache, window, softcap).to(run_dtype)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for plan in plans:
-            out[plan.rows] = plan.attend(q, k, v, kv_cache, window)
+            out[plan.rows] = plan.attend(q, k, v, kv_cache, window, softcap)
         return out.to(run_dtype)
 
     def describe(self) -> str:

@@ -88,3 +88,34 @@ def in_place(
             for o, lse in zip(outs, lses, strict=True)
         )
     return out.transpose(0, 1).reshape(n, -1)  # [Hkv, n, G, D] -> [n, H * D]
+
+
+def softcapped(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Attention whose scores are soft-capped before the softmax, cap * tanh(scores / cap)
+    (Gemma 2), computed explicitly: SDPA, the CPU flash op and our paged kernel take no cap.
+    B sequences' n queries each, q [B * n, H, D], over their keys and values [B, L, Hkv, D],
+    each query seeing the keys where allowed [B, n, L] is True. Returns [B * n, H * D]."""
+    b, _, kv_heads, dim = keys.shape
+    n, heads = q.shape[0] // b, q.shape[1]
+    q = q.view(b, n, kv_heads, heads // kv_heads, dim)
+    scores = torch.einsum("bnkgd,blkd->bkgnl", q, keys) * dim**-0.5
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    weights = scores.softmax(-1, dtype=torch.float32).to(values.dtype)
+    out = torch.einsum("bkgnl,blkd->bnkgd", weights, values)
+    return out.reshape(b * n, heads * dim)
+
+
+def gather_blocks(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key_blocks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of KV blocks key_blocks [B, nb], each [B, nb * block_size, Hkv, D]."""
+    b = key_blocks.shape[0]
+    shape = (b, -1, *k_cache.shape[2:])
+    flat_blocks = key_blocks.flatten()
+    return (
+        k_cache.index_select(0, flat_blocks).view(shape),
+        v_cache.index_select(0, flat_blocks).view(shape),
+    )

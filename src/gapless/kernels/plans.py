@@ -11,6 +11,11 @@ decoder passes to `Kernels.attention` every layer. Each plan type is one path an
   (attention.py).
 
 A new attention path is one more plan type here, with `attend`, and its choice in `Planner`.
+
+Attention-logit soft-capping (Gemma 2) is not a path of its own: no fused op here takes a cap,
+and the runner plans a step without knowing the model. A layer with a cap passes it to
+`attend`, and every plan then computes its scores explicitly over the same keys under the same
+mask (attention.softcapped); without a cap each plan runs its fast path, unchanged.
 """
 
 from __future__ import annotations
@@ -33,11 +38,26 @@ KVCache = tuple[Tensor, Tensor]  # one layer's keys and values, [blocks, block_s
 class AttentionPlan(Protocol):
     rows: slice  # the contiguous rows of the flat batch whose queries this plan attends
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, window: int | None) -> Tensor:
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cache: KVCache,
+        window: int | None,
+        softcap: float | None = None,
+    ) -> Tensor:
         """Attention of the batch's queries q [T, H, D] in this plan's rows, for a layer with
         this window, in the cache's dtype; their own keys and values k, v [T, Hkv, D] are
-        already in the cache (k_cache, v_cache). Returns [len(rows), H * D]."""
+        already in the cache (k_cache, v_cache). softcap: scores are soft-capped, computed
+        explicitly (see the module's docstring). Returns [len(rows), H * D]."""
         ...
+
+
+def _allowed(delta: Tensor, window: int | None) -> Tensor:
+    """Where a query may attend a key delta = query position - key position ahead of it."""
+    causal = delta >= 0
+    return causal if window is None else causal & (delta < window)
 
 
 @dataclass
@@ -54,8 +74,27 @@ class PagedPlan:
     key_blocks: Tensor
     num_keys: Tensor
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, window: int | None) -> Tensor:
-        return paged.paged_attention(q[self.rows], *cache, self.key_blocks, self.num_keys, window)
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cache: KVCache,
+        window: int | None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        if softcap is None:
+            return paged.paged_attention(
+                q[self.rows], *cache, self.key_blocks, self.num_keys, window
+            )
+        keys, values = attention.gather_blocks(*cache, self.key_blocks)
+        n = (self.rows.stop - self.rows.start) // self.key_blocks.shape[0]
+        dev = keys.device
+        # Positions counted from each sequence's first gathered key: its queries are the last n
+        # of its num_keys.
+        query_pos = self.num_keys[:, None] - n + torch.arange(n, device=dev)
+        delta = query_pos[..., None] - torch.arange(keys.shape[1], device=dev)
+        return attention.softcapped(q[self.rows], keys, values, _allowed(delta, window), softcap)
 
 
 @dataclass
@@ -79,15 +118,28 @@ class GatheredPlan:
     masks: dict[int | None, Tensor | None]
     fold_heads: bool = False
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, window: int | None) -> Tensor:
-        return attention.gathered(
-            q[self.rows],
-            *cache,
-            self.key_blocks,
-            self.num_queries,
-            self.masks[window],
-            self.fold_heads,
-        )
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cache: KVCache,
+        window: int | None,
+        softcap: float | None = None,
+    ) -> Tensor:
+        mask, n = self.masks[window], self.num_queries
+        if softcap is None:
+            return attention.gathered(
+                q[self.rows], *cache, self.key_blocks, n, mask, self.fold_heads
+            )
+        keys, values = attention.gather_blocks(*cache, self.key_blocks)
+        if mask is None:  # fresh whole blocks: plain causal
+            keys_pos = torch.arange(keys.shape[1], device=keys.device)
+            allowed = _allowed(keys_pos[:n, None] - keys_pos, None)[None]
+        else:  # [B, 1, rows, L]; a folded chunk's rows are each query's, repeated per head
+            mask = mask[:, 0]
+            allowed = mask.view(mask.shape[0], n, -1, mask.shape[-1])[:, :, 0] == 0
+        return attention.softcapped(q[self.rows], keys, values, allowed, softcap)
 
 
 @dataclass
@@ -103,9 +155,28 @@ class InPlacePlan:
     rows: slice
     runs: list[tuple[int, int]]
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, window: int | None) -> Tensor:
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        cache: KVCache,
+        window: int | None,
+        softcap: float | None = None,
+    ) -> Tensor:
         rows = self.rows
-        return attention.in_place(q[rows], k[rows], v[rows], *cache, self.runs)
+        if softcap is None:
+            return attention.in_place(q[rows], k[rows], v[rows], *cache, self.runs)
+        slots = torch.cat([torch.arange(first, first + n) for first, n in self.runs])
+        slots = slots.to(q.device)
+        keys, values = (c.flatten(0, 1).index_select(0, slots) for c in cache)
+        n = rows.stop - rows.start
+        allowed = torch.ones(n, len(slots), dtype=torch.bool, device=q.device)
+        if n > 1:  # the chunk's own keys, causally
+            keys, values = torch.cat((keys, k[rows])), torch.cat((values, v[rows]))
+            own = torch.arange(n, device=q.device)
+            allowed = torch.cat((allowed, _allowed(own[:, None] - own, None)), dim=1)
+        return attention.softcapped(q[rows], keys[None], values[None], allowed[None], softcap)
 
 
 class Span(NamedTuple):

@@ -138,15 +138,17 @@ class Step:
         v: torch.Tensor,
         kv_cache: KVCache,
         window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Writes the batch's new keys and values k, v [T, Hkv, D] into this layer's cache,
-        then attends the queries q [T, H, D] (scaled by D ** -0.5) over it, within window.
+        then attends the queries q [T, H, D] (scaled by D ** -0.5) over it, within window;
+        softcap: scores become softcap * tanh(scores / softcap) (Gemma 2).
         Returns [T, H * D]."""
         k_cache, v_cache = kv_cache
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         k_cache.flatten(0, 1).index_copy_(0, self.batch.write_slots, k)
         v_cache.flatten(0, 1).index_copy_(0, self.batch.write_slots, v)
-        return self.kernels.attention(q, k, v, kv_cache, self.batch.attention, window)
+        return self.kernels.attention(q, k, v, kv_cache, self.batch.attention, window, softcap)
 
 
 class Layer(Protocol):
