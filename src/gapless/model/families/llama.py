@@ -8,6 +8,7 @@ on the layers a config's `layer_types` says), o projection; RMSNorm, SwiGLU MLP.
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,9 +50,10 @@ class LlamaConfig(ModelConfig):
     qk_norm: bool
 
 
-def config(raw: dict) -> LlamaConfig:
+def config(raw: dict, flags: tuple[bool, bool, bool] | None = None) -> LlamaConfig:
+    """flags: as ARCHITECTURES' (a family built on these layers), else the architecture's."""
     arch = raw["architectures"][0]
-    default_bias, qk_norm, default_sliding = ARCHITECTURES[arch]
+    default_bias, qk_norm, default_sliding = flags or ARCHITECTURES[arch]
     check_activation(raw, "hidden_act", "silu")
     num_layers = raw["num_hidden_layers"]
     window = raw.get("sliding_window")
@@ -96,8 +98,16 @@ def unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def from_gguf(cfg: LlamaConfig, name: str, w: torch.Tensor | Quantized) -> torch.Tensor | Quantized:
     """A GGUF tensor (under its Hugging Face name) as the checkpoint holds it."""
+    return unpermute_qk(cfg, name, w) if cfg.architecture == "LlamaForCausalLM" else w
+
+
+def unpermute_qk(
+    cfg: LlamaConfig, name: str, w: torch.Tensor | Quantized
+) -> torch.Tensor | Quantized:
+    """q/k projections as the checkpoint holds them, from a file whose converter permuted
+    their rows (unpermute_rope_rows); other tensors as they are."""
     heads = {"q_proj": cfg.num_heads, "k_proj": cfg.num_kv_heads}.get(name.split(".")[-2])
-    if cfg.architecture != "LlamaForCausalLM" or heads is None:
+    if heads is None:
         return w
     unpermute = functools.partial(unpermute_rope_rows, num_heads=heads)
     return w.map_rows(unpermute) if isinstance(w, Quantized) else unpermute(w)
@@ -114,7 +124,7 @@ class Layer:
     gate: Linear
     up: Linear
     down: Linear
-    rope: Rope
+    rope: Rope | None  # None: no rotary embedding (SmolLM3's NoPE layers)
     window: int | None
     cfg: LlamaConfig
 
@@ -131,15 +141,19 @@ class Layer:
             q = rms_norm(qk[:, :heads], self.q_norm, cfg.rms_norm_eps)
             k = rms_norm(qk[:, heads:], self.k_norm, cfg.rms_norm_eps)
             qk = torch.cat((q, k), dim=1)
-        qk = apply_rope(qk, *step.rotation(self.rope))
+        if self.rope is not None:
+            qk = apply_rope(qk, *step.rotation(self.rope))
         attn = step.attend(qk[:, :heads], qk[:, heads:], v, kv_cache, self.window)
         x = x + step.all_reduce(self.o(attn))
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         return x + step.all_reduce(self.down(self.up.times(h, self.gate.silu(h))))
 
 
-def build(cfg: LlamaConfig, w: Weights, rope: Rope | None = None) -> Body:
-    """The layers; rope: one other than the config's (a family built on these layers)."""
+def build(
+    cfg: LlamaConfig, w: Weights, rope: Rope | None = None, no_rope: Collection[int] = ()
+) -> Body:
+    """The layers; rope: one other than the config's (a family built on these layers);
+    no_rope: the layers that rotate nothing (NoPE)."""
     if rope is None:
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling)
         rope = Rope(inv_freq.to(w.device))
@@ -158,7 +172,7 @@ def build(cfg: LlamaConfig, w: Weights, rope: Rope | None = None) -> Body:
                 gate=w.linear(mlp + "gate_proj"),
                 up=w.linear(mlp + "up_proj"),
                 down=w.linear(mlp + "down_proj"),
-                rope=rope,
+                rope=None if i in no_rope else rope,
                 window=window,
                 cfg=cfg,
             )
