@@ -48,11 +48,17 @@ SLIDING_WINDOW_PATTERN = 6  # transformers' and llama.cpp's default: every 6th l
 
 
 @dataclass(frozen=True)
-class Gemma3Config(ModelConfig):
-    rope_local_theta: float  # the local (sliding-window) layers' rope base
+class GemmaConfig(ModelConfig):
+    """What Gemma 2's and Gemma 3's layers read."""
+
     query_pre_attn_scalar: float
     attention_bias: bool
     final_logit_softcapping: float | None
+
+
+@dataclass(frozen=True)
+class Gemma3Config(GemmaConfig):
+    rope_local_theta: float  # the local (sliding-window) layers' rope base
 
 
 def config(raw: dict) -> Gemma3Config:
@@ -144,11 +150,14 @@ def gemma_norm(weight: torch.Tensor, eps: float) -> GemmaNorm:
 
 @dataclass
 class Layer:
+    """Gemma 3's layer, and Gemma 2's (model/families/gemma2.py): without q/k norms, with
+    attention-logit soft-capping."""
+
     input_norm: GemmaNorm
     qkv: Linear  # q, k and v projections fused
     o: Linear
-    q_norm: GemmaNorm
-    k_norm: GemmaNorm
+    q_norm: GemmaNorm | None
+    k_norm: GemmaNorm | None
     post_attention_norm: GemmaNorm
     pre_feedforward_norm: GemmaNorm
     post_feedforward_norm: GemmaNorm
@@ -157,23 +166,26 @@ class Layer:
     down: Linear
     rope: Rope
     window: int | None
-    cfg: Gemma3Config
+    cfg: GemmaConfig
+    attn_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
 
     def forward(self, x: torch.Tensor, step: Step, kv_cache: KVCache) -> torch.Tensor:
         cfg = self.cfg
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.qkv(self.input_norm(x))
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
-        q = self.q_norm(qkv[:, :q_size].view(-1, heads, head_dim))
-        k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(-1, kv_heads, head_dim))
+        q = qkv[:, :q_size].view(-1, heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(-1, kv_heads, head_dim)
         v = qkv[:, q_size + kv_size :].view(-1, kv_heads, head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         qk = apply_rope(torch.cat((q, k), dim=1), *step.rotation(self.rope))
         q, k = qk[:, :heads], qk[:, heads:]
         # Attention scales scores by head_dim ** -0.5; Gemma's by query_pre_attn_scalar ** -0.5.
         scale = (head_dim / cfg.query_pre_attn_scalar) ** 0.5
         if scale != 1.0:
             q = q * scale
-        attn = step.attend(q, k, v, kv_cache, self.window)
+        attn = step.attend(q, k, v, kv_cache, self.window, self.attn_softcap)
         x = x + self.post_attention_norm(step.all_reduce(self.o(attn)))
         h = self.pre_feedforward_norm(x)
         mlp = self.down(self.up.times(h, F.gelu(self.gate(h), approximate="tanh")))
@@ -181,12 +193,25 @@ class Layer:
 
 
 def build(cfg: Gemma3Config, w: Weights) -> Body:
-    eps = cfg.rms_norm_eps
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling)
     global_rope = Rope(inv_freq.to(w.device))
     local_rope = Rope(rope_inv_freq(cfg.head_dim, cfg.rope_local_theta).to(w.device))
+    ropes = [global_rope if window is None else local_rope for window in cfg.layer_windows]
+    return build_layers(cfg, w, ropes)
+
+
+def build_layers(
+    cfg: GemmaConfig, w: Weights, ropes: list[Rope], attn_softcap: float | None = None
+) -> Body:
+    """Gemma's layers, each with its rope; q/k norms where the checkpoint has them."""
+    eps = cfg.rms_norm_eps
+
+    def norm(name: str) -> GemmaNorm | None:
+        weight = w.take_optional(name + ".weight")
+        return None if weight is None else gemma_norm(weight, eps)
+
     layers = []
-    for i, window in enumerate(cfg.layer_windows):
+    for i, (window, rope) in enumerate(zip(cfg.layer_windows, ropes, strict=True)):
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
         norms = [gemma_norm(w.take(p + name + ".weight"), eps) for name in NORMS]
@@ -195,17 +220,18 @@ def build(cfg: Gemma3Config, w: Weights) -> Body:
                 input_norm=norms[0],
                 qkv=w.linear(attn + "q_proj", attn + "k_proj", attn + "v_proj"),
                 o=w.linear(attn + "o_proj"),
-                q_norm=gemma_norm(w.take(attn + "q_norm.weight"), eps),
-                k_norm=gemma_norm(w.take(attn + "k_norm.weight"), eps),
+                q_norm=norm(attn + "q_norm"),
+                k_norm=norm(attn + "k_norm"),
                 post_attention_norm=norms[1],
                 pre_feedforward_norm=norms[2],
                 post_feedforward_norm=norms[3],
                 gate=w.linear(mlp + "gate_proj"),
                 up=w.linear(mlp + "up_proj"),
                 down=w.linear(mlp + "down_proj"),
-                rope=global_rope if window is None else local_rope,
+                rope=rope,
                 window=window,
                 cfg=cfg,
+                attn_softcap=attn_softcap,
             )
         )
     return Body(
