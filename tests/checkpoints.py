@@ -17,7 +17,17 @@ import tokenizers
 
 from gapless.model.demo import build_bpe_tokenizer, stdlib_sources, write_tokenizer_files
 
-ARCHS = ("llama", "llama_linear", "qwen2", "qwen3", "mistral", "gemma3", "phi3")
+ARCHS = (
+    "llama",
+    "llama_linear",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma3",
+    "phi3",
+    "smollm3",
+    "gemma2",
+)
 
 TEST_VOCAB_SIZE = 512
 
@@ -102,6 +112,39 @@ _ARCH_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
                 "short_factor": [1.0, 1.2, 1.5, 2.5],
                 "long_factor": [1.5, 3.0, 6.0, 12.0],
             },
+        },
+    ),
+    # 4 layers, every 2nd NoPE (layers 1 and 3), windows (24) on layers 1 and 2: each of
+    # rope / NoPE with and without a window.
+    "smollm3": (
+        "SmolLM3ForCausalLM",
+        "SmolLM3Config",
+        {
+            "num_hidden_layers": 4,
+            "no_rope_layer_interval": 2,
+            "use_sliding_window": True,
+            "sliding_window": 24,
+            "layer_types": [
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+        },
+    ),
+    # 4 layers, local (window 24) and global alternating; caps low enough that tanh bends
+    # these random weights' attention scores and logits.
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "sliding_window": 24,
+            "query_pre_attn_scalar": 48,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 8.0,
         },
     ),
 }

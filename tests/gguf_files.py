@@ -30,6 +30,8 @@ _ARCH = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
+    "Gemma2ForCausalLM": "gemma2",
 }
 
 
@@ -133,8 +135,11 @@ def write_gguf(
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(cfg["rope_theta"])
-    if arch == "gemma3":  # llama.cpp's loader knows the rest (local rope base, pattern)
+    if arch in ("gemma2", "gemma3"):  # llama.cpp's loader knows the rest (local rope, pattern)
         writer.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     writer.add_vocab_size(cfg["vocab_size"])
     scaling = cfg.get("rope_scaling") or {}
     if scaling.get("rope_type") == "linear":
@@ -150,9 +155,9 @@ def write_gguf(
         name = gguf_name(hf_name, family.GGUF_NAMES)
         if name in drop or (hf_name == "lm_head.weight" and cfg["tie_word_embeddings"]):
             continue
-        if arch == "llama" and ("q_proj" in hf_name or "k_proj" in hf_name):
+        if arch in ("llama", "smollm3") and ("q_proj" in hf_name or "k_proj" in hf_name):
             w = permute_rope_rows(w, heads if "q_proj" in hf_name else kv_heads)
-        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             w = w + 1  # llama.cpp's converter stores Gemma's (1 + w)
         kind = next((t for part, t in (mix or {}).items() if part in name), qtype)
         add_tensor(writer, name, w, kind if w.ndim == 2 else QType.F32, rng)

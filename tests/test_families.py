@@ -28,12 +28,13 @@ from gapless.engine.runner import ModelRunner
 from gapless.model.gguf import load_gguf
 from gapless.model.loader import load_decoder
 
-FAMILIES = ["gemma3", "phi3"]
+FAMILIES = ["gemma3", "phi3", "smollm3", "gemma2"]
 # Checkpoints whose every setting a GGUF file says as llama.cpp and transformers' GGUF loader
 # both read it. gemma3 files have no key for query_pre_attn_scalar: llama.cpp takes head_dim,
 # transformers 256 (Gemma 3's head_dim but for the 27B, which llama.cpp knows by its layers),
 # and transformers reads no rope scaling. For phi3 it reads no window, LongRoPE or partial
-# rotary either.
+# rotary either. gemma2 files do say their soft-caps, but transformers reads its defaults.
+# (transformers reads no smollm3 files: test_gguf.py checks those against the checkpoint.)
 GGUF_READY = {
     "gemma3": {
         "head_dim": 256,
@@ -42,6 +43,12 @@ GGUF_READY = {
             "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         },
+    },
+    "gemma2": {
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
     },
     "phi3": {
         "sliding_window": None,

@@ -44,7 +44,23 @@ def gguf_file(checkpoint, tmp_path_factory):
 
 # A plain rope: llama3 rope scaling is written as a rope_freqs tensor, which gapless refuses.
 PLAIN_LLAMA = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-GGUF_ARCHS = {"llama": PLAIN_LLAMA, "llama_linear": {}, "qwen2": {}, "qwen3": {}}
+# What a smollm3 file can say: llama.cpp takes every 4th layer NoPE and no window.
+SMOLLM3_AS_LLAMA_CPP = {
+    "no_rope_layer_interval": 4,
+    "use_sliding_window": False,
+    "layer_types": None,
+}
+# llama.cpp takes a gemma2 file's query_pre_attn_scalar to be head_dim; its soft-caps (3 and 8
+# here, not the defaults) and window are read from the file.
+GEMMA2_AS_LLAMA_CPP = {"query_pre_attn_scalar": 32}
+GGUF_ARCHS = {
+    "llama": PLAIN_LLAMA,
+    "llama_linear": {},
+    "qwen2": {},
+    "qwen3": {},
+    "smollm3": SMOLLM3_AS_LLAMA_CPP,
+    "gemma2": GEMMA2_AS_LLAMA_CPP,
+}
 
 
 @pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_0, QType.Q4_1])
