@@ -17,7 +17,7 @@ import gapless.kernels as kernels
 from gapless import LLM, SamplingParams
 from gapless.engine.runner import ModelRunner
 from gapless.kernels.linear import Int4Linear, NarrowLinear, PackedLinear, PlainLinear
-from gapless.kernels.plans import InPlacePlan, PagedPlan
+from gapless.kernels.plans import GatheredPlan, InPlacePlan, PagedPlan
 from gapless.kernels.probe import Machine, packed_linear_works
 from gapless.model.loader import load_decoder
 from gapless.model.quantize import quantize_int4
@@ -216,6 +216,62 @@ def check_paged_kernel(dtype, heads, kv_heads, dim, window, n, block_size, extra
         want = torch.einsum("nhl,lhd->nhd", scores.softmax(-1), v).flatten(1)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert (got[b * n : (b + 1) * n].float() - want).abs().max().item() < tol
+
+
+def capped_attention(q, keys, values, allowed, cap):
+    """The reference: q [n, H, D] over keys, values [L, Hkv, D] where allowed [n, L], scores
+    cap * tanh(scores / cap), as transformers' eager Gemma 2 attention."""
+    group = q.shape[1] // keys.shape[1]
+    k, v = (t.repeat_interleave(group, 1) for t in (keys, values))
+    scores = torch.einsum("nhd,lhd->nhl", q, k) / q.shape[-1] ** 0.5
+    scores = (torch.tanh(scores / cap) * cap).masked_fill(~allowed[:, None], float("-inf"))
+    return torch.einsum("nhl,lhd->nhd", scores.softmax(-1), v).flatten(1)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("n", [1, 5, 32])
+def test_every_plan_given_a_softcap_attends_with_capped_scores(window, n):
+    """Soft-capped attention (Gemma 2) runs on no fused op: each plan type, given a cap,
+    attends the same keys under the same mask with capped scores. Paged plans' scattered
+    blocks (decodes, and chunks as where our kernel takes them), a fresh chunk's plain causal
+    gathered plan, and an in-place plan's history runs plus a chunk's own keys."""
+    gen = torch.Generator().manual_seed(n)
+    heads, kv_heads, dim, bs, cap = 6, 2, 16, 16, 2.0
+    cache = tuple(torch.randn(40, bs, kv_heads, dim, generator=gen) * 3 for _ in range(2))
+    flat_k, flat_v = (c.flatten(0, 1) for c in cache)
+
+    lengths = [n + extra for extra in (0, 15, 16, 69)]
+    tables = torch.randperm(40, generator=gen)[:28].view(4, 7)
+    q = torch.randn(4 * n, heads, dim, generator=gen) * 3
+    paged = PagedPlan(slice(0, 4 * n), tables, torch.tensor(lengths))
+    got = paged.attend(q, q, q, cache, window, cap)
+    for b, length in enumerate(lengths):
+        slots = (tables[b, :, None] * bs + torch.arange(bs)).flatten()[:length]
+        delta = torch.arange(length - n, length)[:, None] - torch.arange(length)
+        allowed = (delta >= 0) & (delta < (window or length))
+        rows = slice(b * n, (b + 1) * n)
+        want = capped_attention(q[rows], flat_k[slots], flat_v[slots], allowed, cap)
+        assert (got[rows] - want).abs().max().item() < 1e-5
+
+    if n % bs == 0:  # a fresh chunk of whole blocks, plain causal
+        fresh = GatheredPlan(slice(0, n), n, tables[:1, : n // bs], {window: None})
+        slots = (tables[0, : n // bs, None] * bs + torch.arange(bs)).flatten()
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        want = capped_attention(q[:n], flat_k[slots], flat_v[slots], causal, cap)
+        assert (fresh.attend(q, q, q, cache, window, cap) - want).abs().max().item() < 1e-5
+
+    if window is None:  # in place: full attention only
+        runs = [(3 * bs, 20), (9 * bs + 4, 7)]
+        history = torch.cat([torch.arange(first, first + length) for first, length in runs])
+        own_k, own_v = (torch.randn(n, kv_heads, dim, generator=gen) for _ in range(2))
+        in_place = InPlacePlan(slice(0, n), runs)
+        got = in_place.attend(q[:n], own_k, own_v, cache, None, cap)
+        keys, values, allowed = flat_k[history], flat_v[history], torch.ones(n, len(history))
+        if n > 1:  # a chunk's own keys, causally; a decode's own key is in its runs
+            keys, values = torch.cat((keys, own_k)), torch.cat((values, own_v))
+            allowed = torch.cat((allowed, torch.ones(n, n).tril()), dim=1)
+        want = capped_attention(q[:n], keys, values, allowed.bool(), cap)
+        assert (got - want).abs().max().item() < 1e-5
 
 
 @pytest.mark.skipif(
