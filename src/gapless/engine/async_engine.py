@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from gapless.engine.engine import Engine, EngineFailed
 from gapless.engine.events import Event, FinishedEvent
@@ -30,6 +33,58 @@ def engine_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(1, thread_name_prefix="gapless-engine")
 
 
+class Summaries:
+    """Engine.summary() for live viewers, made on the engine thread while `sink` is set:
+    after a step, at most once per `interval` seconds (the state after a burst of steps goes
+    out one interval later), and once per `heartbeat` seconds while nothing changes, so ages
+    tick and the step rate falls to 0 when idle. Nobody watching costs one check a step."""
+
+    def __init__(self, engine: Engine, interval: float = 0.1, heartbeat: float = 1.0) -> None:
+        self.engine = engine
+        self.interval = interval
+        self.heartbeat = heartbeat
+        # Called on the engine thread with each summary; None: nobody watches.
+        self.sink: Callable[[dict[str, Any]], None] | None = None
+        self._due = False  # something changed since the last summary
+        self._last = 0.0
+        self._steps = engine.num_steps
+        self._step_times: deque[float] = deque(maxlen=10_000)  # of the last second's steps
+
+    def request(self) -> None:
+        """A new viewer wants the current state (at the next chance, within one interval)."""
+        self._due = True
+
+    def stepped(self) -> None:
+        """After Engine.step(), which may have run a step, or only taken in and cancelled."""
+        if self.sink is not None:
+            if self.engine.num_steps != self._steps:
+                self._steps = self.engine.num_steps
+                self._step_times.append(time.monotonic())
+            self._due = True
+            self.publish()
+
+    def publish(self) -> float:
+        """Publishes a summary if one is due; returns the seconds until the next may be."""
+        sink = self.sink
+        if sink is None:
+            return 0.5
+        now = time.monotonic()
+        wait = self._last + (self.interval if self._due else self.heartbeat) - now
+        if wait > 0:
+            return wait
+        times = self._step_times
+        while times and times[0] < now - 1.0:
+            times.popleft()
+        self._due, self._last = False, now
+        try:
+            summary = self.engine.summary()
+            summary["steps_per_s"] = len(times)
+            sink(summary)
+        except Exception:  # a viewer's trouble must never stop the engine thread
+            log.exception("publishing a step summary failed")
+        return self.interval
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, thread: ThreadPoolExecutor | None = None) -> None:
         """thread: the engine_thread() the engine was loaded on; else a new one."""
@@ -43,6 +98,7 @@ class AsyncEngine:
         # Set when the engine can run no more steps; then called, from the engine thread.
         self.failure: str | None = None
         self.on_failure: Callable[[], None] | None = None
+        self.summaries = Summaries(engine)
 
     def start(self) -> None:
         self._running = self._thread.submit(self._run)
@@ -126,10 +182,18 @@ class AsyncEngine:
         self._wake.set()
         return cancelled
 
+    def watch(self, sink: Callable[[dict[str, Any]], None] | None) -> None:
+        """Step summaries go to sink(summary), on the engine thread (see Summaries), from
+        the next chance on; None stops them. Thread-safe."""
+        self.summaries.sink = sink
+        if sink is not None:
+            self.summaries.request()
+            self._wake.set()
+
     def _run(self) -> None:
         while not self._stopping:
             if not self.engine.has_work:
-                self._wake.wait(timeout=0.5)
+                self._wake.wait(timeout=min(0.5, self.summaries.publish()))
                 self._wake.clear()
                 continue
             steps = self.engine.num_steps
@@ -143,6 +207,7 @@ class AsyncEngine:
             except Exception as exc:  # an engine bug: fail what is in flight, keep serving
                 log.exception("engine step failed")
                 events = self.engine.fail_all(f"{type(exc).__name__}: {exc}")
+            self.summaries.stepped()
             if not events and self.engine.num_steps == steps:
                 # Work is queued but nothing could run (e.g. the sequence cap): don't spin.
                 self._wake.wait(timeout=0.01)

@@ -47,6 +47,11 @@ from gapless.model.tokenizer import Tokenizer
 log = logging.getLogger("gapless.engine")
 
 
+# summary() shows a request by the start of its id: enough to tell requests apart and to find
+# one in the logs or in its response's id, not enough to cancel it by.
+SUMMARY_ID_CHARS = 8
+
+
 class QueueFull(RuntimeError):
     pass
 
@@ -185,6 +190,8 @@ class Engine:
         self.grammars = GrammarCompiler(tokenizer, mcfg.vocab_size, sorted(self.eos_ids))
         self.metrics = EngineMetrics()
         self.num_steps = 0
+        # The last step that ran: its decode tokens, prompt tokens and wall time (summary()).
+        self.last_step = (0, 0, 0.0)
         self._requests: dict[str, list[Request]] = {}  # by id: the live choices
         self._incoming: deque[Request] = deque()
         self._cancels: deque[str] = deque()
@@ -394,6 +401,8 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return events
+        decode_tokens = sum(c.request.is_decoding for c in chunks)
+        prefill_tokens = sum(c.num_tokens for c in chunks) - decode_tokens
         features = step_features(
             [c.request.num_computed + 1 for c in chunks if c.request.is_decoding],
             [(c.num_tokens, c.request.num_computed) for c in chunks if not c.request.is_decoding],
@@ -412,6 +421,7 @@ class Engine:
         self.num_steps += 1
         elapsed = time.perf_counter() - started
         self.metrics.step_time.observe(elapsed)
+        self.last_step = (decode_tokens, prefill_tokens, elapsed)
         if self.cost_model is not None:
             self.cost_model.observe(features, elapsed)
         return events
@@ -667,6 +677,50 @@ class Engine:
             "prefix_cache_hit_tokens_total": self.scheduler.prefix_hit_tokens,
             "prefix_cache_queried_tokens_total": self.scheduler.prefix_queried_tokens,
             "preemptions_total": self.scheduler.preemptions,
+        }
+
+    def summary(self, max_rows: int = 100) -> dict[str, Any]:
+        """The engine at a glance, for the live view (server/live.py): each live sequence's
+        short id, state, counts and timings (running ones first, then the queue, at most
+        max_rows), the last step's token counts and the KV blocks in use. Counts only: never
+        a prompt's or an output's text or tokens. Call it on the engine thread, between steps.
+        """
+        now = time.monotonic()
+        with self._lock:
+            incoming = list(self._incoming)
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        rows = []
+        for req in [*running, *waiting, *incoming][:max_rows]:
+            prompt = len(req.prompt_ids)
+            first = req.first_token_time
+            rows.append(
+                {
+                    "id": req.request_id[:SUMMARY_ID_CHARS],
+                    "index": req.index,
+                    "state": req.state.value,
+                    "prompt_tokens": prompt,
+                    "computed": min(req.num_computed, prompt),
+                    "generated": len(req.output_ids),
+                    "age_s": round(now - req.arrival_time, 3),
+                    "ttft_s": None if first is None else round(first - req.arrival_time, 3),
+                }
+            )
+        decode, prefill, seconds = self.last_step
+        return {
+            "steps": self.num_steps,
+            "last_step": {
+                "decode_tokens": decode,
+                "prefill_tokens": prefill,
+                "ms": round(seconds * 1000, 2),
+            },
+            "kv_blocks": {
+                "used": self.pool.num_used,
+                "cached": self.pool.num_cached,
+                "total": self.pool.num_blocks,
+            },
+            "running": len(running),
+            "waiting": len(waiting) + len(incoming),
+            "requests": rows,
         }
 
 
