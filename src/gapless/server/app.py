@@ -26,6 +26,7 @@ from starlette.routing import Route
 from gapless.engine.engine import Engine
 from gapless.server import (
     anthropic,
+    live,
     ollama,
     openai_chat,
     openai_common,
@@ -97,9 +98,17 @@ def build_app(state: ServerState) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(render_metrics(state.engine), media_type=CONTENT_TYPE)
 
+    feed = live.LiveFeed(state)
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        # The page at / (no key: it holds no data) and its feed (behind the key, as the API).
+        *live.page_routes(),
+        Route(
+            live.PATH,
+            endpoint(state, live.events_handler(feed), openai_common.error_body),
+            methods=["GET"],
+        ),
     ]
     # A wrong method on a dialect's path gets that dialect's error shape; anything else, OpenAI's.
     error_bodies = {}
@@ -123,11 +132,13 @@ def build_app(state: ServerState) -> Starlette:
         state.async_engine.start()
         yield
 
-    return Starlette(
+    app = Starlette(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
+    app.state.live_feed = feed
+    return app
 
 
 # -- running and stopping -------------------------------------------------------------------
@@ -222,6 +233,7 @@ class GaplessServer:
         if self.state.draining:
             return
         self.state.draining = True
+        self.app.state.live_feed.close("shutdown")  # its streams never end by themselves
         self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
