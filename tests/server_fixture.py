@@ -56,12 +56,19 @@ class RunningServer:
 
 @contextmanager
 def running_server(
-    model_dir: Path, settings: ServerSettings | None = None, **engine_fields: Any
+    model_dir: Path,
+    settings: ServerSettings | None = None,
+    send_buffer: int | None = None,
+    **engine_fields: Any,
 ) -> Iterator[RunningServer]:
+    """send_buffer: SO_SNDBUF of the listening socket, which its connections inherit (the
+    kernel's own buffers then fill sooner for a client that does not read)."""
     fields = {"dtype": "float32", "device": "cpu", **engine_fields}
     engine = Engine.from_pretrained(model_dir, EngineConfig.of(**fields))
     server = GaplessServer(engine, settings or ServerSettings(MODEL), log_level="warning")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     port = sock.getsockname()[1]
