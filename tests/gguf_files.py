@@ -51,10 +51,16 @@ F16_FIELDS = {
 
 
 def random_blocks(
-    shape: tuple[int, int], qtype: QType, rng: np.random.Generator, std: float = 0.05
+    shape: tuple[int, int],
+    qtype: QType,
+    rng: np.random.Generator,
+    std: float = 0.05,
+    signed: bool = False,
 ) -> np.ndarray:
     """Valid blocks of qtype, uint8 [rows, bytes per row], whose values have about this std
-    (every value is linear in the f16 fields, so they are scaled to it)."""
+    (every value is linear in the f16 fields, so they are scaled to it). signed: each f16
+    field of either sign (as the kernels' tests want), not only positive."""
+    qtype = QType(qtype)
     rows, cols = shape
     elems, size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows, cols // elems, size), dtype=np.uint8)
@@ -62,6 +68,8 @@ def random_blocks(
     def set_scales(scale: float) -> None:
         for offset in F16_FIELDS[qtype]:
             field = rng.uniform(0.5, 1.0, (rows, cols // elems)) * scale
+            if signed:
+                field *= rng.choice([-1, 1], field.shape)
             blocks[..., offset : offset + 2] = (
                 field.astype(np.float16).view(np.uint8).reshape(rows, cols // elems, 2)
             )

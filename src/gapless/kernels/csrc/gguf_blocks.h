@@ -12,6 +12,10 @@
 
 #include <cstdint>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace gapless_gguf {
 
 // ggml's type numbers (GGMLQuantizationType in the `gguf` package).
@@ -69,5 +73,15 @@ void quantize_act_q8k(const float* x, ActQ8K* out, int64_t n);
 
 // IEEE half to float, for the blocks' scales (F16C where built with it).
 float half_to_float(uint16_t h);
+
+#if defined(__AVX2__)
+// The sum of v's 8 lanes (the vector paths' last step, both files).
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 }  // namespace gapless_gguf

@@ -541,13 +541,6 @@ inline __m256i dot_scaled(__m256i acc, __m256i u, __m256i q, __m256i scales16) {
 #endif
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // One weight row against R activation rows (act_row_bytes apart), each block unpacked once
 // for all of them: out[r * out_stride].
 template <class T, int R>

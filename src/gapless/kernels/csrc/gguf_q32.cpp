@@ -174,13 +174,6 @@ inline __m256i dot_u8s8(__m256i u, __m256i q) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1));
 #endif
 }
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 #endif
 
 // What a type is, per block: its scale d, minimum m (0 where none) and 32 codes such that
