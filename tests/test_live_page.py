@@ -28,7 +28,7 @@ from gapless.server.app import ServerSettings
 KEY = "live-page-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHUNK = 16
-LONG_PROMPT_TOKENS = 800  # 50 chunks of 16
+LONG_PROMPT_TOKENS = 1200  # 75 chunks of 16
 SECRET = "zanzibar"  # a word of every prompt here, which the live view must never show
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "live-page.png"
@@ -66,8 +66,14 @@ def wait_until(condition: Any, what: Any, timeout: float = 10) -> None:
         time.sleep(0.02)
 
 
-def completion(server: RunningServer, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
-    """A streamed completion, read to the end: its chunks and prefill progress comments."""
+def completion(
+    server: RunningServer,
+    prompt: str | list[int],
+    max_tokens: int,
+    started: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A streamed completion, read to the end: its chunks and prefill progress comments.
+    `started` gets the live view's id of the request with its first token."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     chunks, progress = [], []
     with (
@@ -80,7 +86,14 @@ def completion(server: RunningServer, prompt: str | list[int], max_tokens: int) 
                 progress.append(json.loads(line.removeprefix(": prefill_progress ")))
             elif line.startswith("data: {"):
                 chunks.append(json.loads(line.removeprefix("data: ")))
+                if started is not None:
+                    started["id"] = live_id(chunks[0])
     return {"chunks": chunks, "progress": progress}
+
+
+def live_id(chunk: dict[str, Any]) -> str:
+    """The live view's id of a request: the start of its response id, after the prefix."""
+    return chunk["id"].removeprefix("cmpl-")[:8]
 
 
 def in_thread(fn: Any, *args: Any) -> tuple[threading.Thread, dict[str, Any]]:
@@ -142,14 +155,14 @@ def test_the_feed_requires_the_key(server: RunningServer) -> None:
 
 
 def test_summaries_show_counts_and_never_text(server: RunningServer) -> None:
-    prompt = long_prompt(server, 200, "summaries")
+    prompt = long_prompt(server, 600, "summaries")  # prefills over a few summaries
     seen: list[dict[str, Any]] = []
     with httpx.stream("GET", f"{server.url}{live.PATH}", headers=AUTH, timeout=60) as r:
         raw: list[str] = []
         lines = r.iter_lines()
         assert next(lines).startswith(": ")  # a comment at once: the stream is open
         started = time.monotonic()
-        thread, result = in_thread(completion, server, prompt, 20)
+        thread, result = in_thread(completion, server, prompt, 80)
         for line in lines:
             raw.append(line)
             if line.startswith("data: "):
@@ -189,11 +202,12 @@ def test_summaries_show_counts_and_never_text(server: RunningServer) -> None:
         "ttft_s",
     }
     assert {row["prompt_tokens"] for row in rows} == {len(prompt)}
-    assert {row["id"] for row in rows} == {streamed["chunks"][0]["id"].removeprefix("cmpl-")[:8]}
+    assert {row["id"] for row in rows} == {live_id(streamed["chunks"][0])}
     prefilling = [r["computed"] for r in rows if r["state"] == "prefilling"]
-    assert prefilling == sorted(prefilling) and all(c % CHUNK == 0 for c in prefilling)
+    assert prefilling and prefilling == sorted(prefilling)
+    assert all(c % CHUNK == 0 for c in prefilling)
     decoding = [r["generated"] for r in rows if r["state"] == "decoding"]
-    assert decoding == sorted(decoding) and decoding[-1] <= 20
+    assert decoding and decoding == sorted(decoding) and decoding[-1] <= 80
     assert any(s["last_step"]["prefill_tokens"] == CHUNK for s in seen)
     # At most 10 summaries a second (the engine thread publishes one per 100 ms at most).
     assert len(seen) <= 10 * elapsed + 2
@@ -292,7 +306,7 @@ def browser() -> Iterator[Any]:
 def test_the_page_chats_and_shows_the_server_live(
     server: RunningServer, browser: Any, tmp_path: Path
 ) -> None:
-    page = browser.new_page(viewport={"width": 1280, "height": 720})
+    page = browser.new_page(viewport={"width": 1280, "height": 440})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     # Everything the page does is allowed by its Content-Security-Policy.
@@ -306,8 +320,10 @@ def test_the_page_chats_and_shows_the_server_live(
     wait_for(page, text_is("live-state", "live"))
     wait_for(page, text_is("model", MODEL))
 
-    # A chat: the reply's tokens arrive one by one.
+    # A chat: the reply's tokens arrive one by one. (Greedy, so that the reply is the same on
+    # every run: this one does not end early with an end-of-text token.)
     page.evaluate(RECORD_TOKENS)
+    page.fill("#temperature", "0")
     page.fill("#max_tokens", "200")
     page.fill("#prompt", f"{SECRET}: write a function")
     page.press("#prompt", "Enter")
@@ -315,7 +331,7 @@ def test_the_page_chats_and_shows_the_server_live(
     tokens = page.evaluate("window.__tokens")
     assert len(set(tokens)) >= 3 and tokens == sorted(tokens), tokens
     assert page.inner_text(".message.assistant .text")
-    assert page.inner_text(".message.assistant .meta").endswith(("length", "stop"))
+    assert page.inner_text(".message.assistant .meta") == "200 tokens, length"
 
     # Stop aborts the stream; the server cancels the request.
     cancelled = server.engine.metrics.requests_finished.get("cancelled", 0)
@@ -332,10 +348,21 @@ def test_the_page_chats_and_shows_the_server_live(
         lambda: f"the stopped request was not cancelled: {finished}, {server.engine.stats()}",
     )
 
+    # Clear forgets the conversation; a short one for the picture.
+    page.click("#clear")
+    assert page.evaluate("document.querySelectorAll('.message').length") == 0
+    page.fill("#temperature", "0.7")
+    page.fill("#max_tokens", "12")
+    page.fill("#prompt", f"{SECRET}: hello")
+    page.press("#prompt", "Enter")
+    wait_for(page, f"{reply}?.querySelector('.meta').textContent.includes(', ')")
+
     # A long prompt prefills, chunk by chunk, beside a decoding stream.
     page.evaluate(RECORD_RENDERS)
-    decoding = in_thread(completion, server, f"{SECRET} decode", 300)
-    wait_for(page, rows_where("r.state === 'decoding'"))
+    decode: dict[str, str] = {}
+    decoding = in_thread(completion, server, f"{SECRET} decode", 400, decode)
+    wait_until(lambda: "id" in decode, "the decoding stream did not start")
+    wait_for(page, rows_where(f"r.id === '{decode['id']}' && +r.generated > 0"))
     prompt = long_prompt(server, LONG_PROMPT_TOKENS, "page")
     n = len(prompt)
     prefilling = in_thread(completion, server, prompt, 4)
@@ -355,8 +382,8 @@ def test_the_page_chats_and_shows_the_server_live(
         SCREENSHOT.write_bytes(screenshot)
 
     # The long request's bar moved: several values below 100%, one per chunk or more.
-    long_id = long_request["chunks"][0]["id"].removeprefix("cmpl-")[:8]
-    decode_id = decode_request["chunks"][0]["id"].removeprefix("cmpl-")[:8]
+    long_id, decode_id = live_id(long_request["chunks"][0]), decode["id"]
+    assert decode_id == live_id(decode_request["chunks"][0])
     progress = []  # the long request's computed tokens, and the decoding one's count beside
     for rows in renders:
         by_id = {row["id"]: row for row in rows}

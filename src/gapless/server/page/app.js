@@ -145,6 +145,7 @@ async function sendChat(text) {
       reply.body.textContent = content;
       reply.meta.textContent = `${tokens} tokens`;
       reply.box.dataset.tokens = String(tokens);
+      $("messages").scrollTop = $("messages").scrollHeight;
     });
   } catch (e) {
     finish = e.name === "AbortError" ? "stopped" : `error: ${e.message}`;
