@@ -422,3 +422,21 @@ def test_server_engine_steps_on_the_thread_that_loaded_it(checkpoint):
     async_engine.stop()
     assert isinstance(events[-1], FinishedEvent) and events[-1].finish_reason == "length"
     assert stepped_on == {loaded_on}
+
+
+def test_the_largest_step_run_before_serving_leaves_no_trace(make_engine):
+    # `gapless serve` runs it once at start so that resident memory starts at its peak.
+    fields = {
+        "kv_cache_tokens": 256,
+        "idle_prefill_chunk": 64,
+        "prefill_chunk": 16,
+        "max_num_seqs": 4,
+    }
+    fresh, reserved = make_engine(**fields), make_engine(**fields)
+    assert reserved.scheduler.max_step_tokens == 64
+    reserved.reserve_peak_memory()
+    assert all(not k.any() and not v.any() for k, v in reserved.runner.kv_cache)
+    assert reserved.pool.num_free == fresh.pool.num_free
+    for engine in (fresh, reserved):
+        engine.add_request(prompt(40), greedy(8), request_id="r")
+    assert tokens(run(reserved)["r"]) == tokens(run(fresh)["r"])
