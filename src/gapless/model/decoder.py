@@ -36,6 +36,9 @@ class BatchInput:
     # (embeddings); None: none.
     hidden_rows: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
+    # Rows whose input is given instead of looked up: (rows [N], embeddings [N, hidden]), an
+    # image's embeddings at its placeholder tokens (model/vision.py); None: none.
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -212,6 +215,9 @@ class Decoder:
             x = F.embedding(batch.token_ids, self.embed)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if batch.embeds is not None:  # after the scale, which transformers applies to text only
+            rows, embeds = batch.embeds
+            x = x.index_copy(0, rows, embeds.to(x.dtype))
         for layer, cache in zip(self.layers, kv_cache, strict=True):
             x = layer.forward(x, step, cache)
         if batch.hidden_rows is not None:
