@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -73,24 +73,38 @@ def check_shape(name: str, shape: tuple[int, ...], expected: tuple[int, ...]) ->
 def load_weights(
     path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> dict[str, torch.Tensor]:
+    return read_weights(path, expected_shapes(cfg), cfg.tie_word_embeddings, dtype, device)
+
+
+def read_weights(
+    path: Path,
+    expected: dict[str, tuple[int, ...]],
+    tied: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    rename: Callable[[str], str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, exactly those expected, by name. rename: a stored name -> the
+    name expected (a vision-language checkpoint nests its language model's)."""
     files = _tensor_files(path)
-    expected = expected_shapes(cfg)
+    stored = {rename(name) if rename else name: name for name in files}
     # Checkpoints may carry buffers we recompute, or an lm_head copy of tied embeddings.
-    ignorable = {n for n in files if n.endswith("rotary_emb.inv_freq")}
-    if cfg.tie_word_embeddings:
+    ignorable = {n for n in stored if n.endswith("rotary_emb.inv_freq")}
+    if tied:
         ignorable.add("lm_head.weight")
-    check_names(set(expected), set(files) - ignorable, path)
+    check_names(set(expected), set(stored) - ignorable, path)
 
     weights: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name in expected:
-        by_file.setdefault(files[name], []).append(name)
+        by_file.setdefault(files[stored[name]], []).append(name)
     bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", delay=1.0)
     for file, names in by_file.items():
         with _open(file) as f:
             for name in names:
-                check_shape(name, tuple(f.get_slice(name).get_shape()), expected[name])
-                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                shape = tuple(f.get_slice(stored[name]).get_shape())
+                check_shape(name, shape, expected[name])
+                weights[name] = f.get_tensor(stored[name]).to(device=device, dtype=dtype)
                 bar.update()
     bar.close()
     return weights
