@@ -1,0 +1,97 @@
+"""Gemma 3's vision side: `Gemma3ForConditionalGeneration` (model_type `gemma3`): a SigLIP tower
+(vit.py) before our gemma3 text family.
+
+As transformers' modeling_gemma3.py computes an image's features: the tower's last states
+(post_layernorm included), average-pooled from its patch grid down to `mm_tokens_per_image`
+(256: 64x64 patches of an 896-pixel image in 4x4 squares), Gemma's RMSNorm (float32, times
+1 + w; the tower's eps), then a projection to the text hidden size. The prompt holds
+`boi`, `mm_tokens_per_image` image tokens, `eoi`.
+
+transformers attends bidirectionally among one image's tokens when given the token_type_ids
+its processor returns (a causal mask OR'ed with "same image"); our decoder attends causally
+(docs/vision.md says what that changes and what the engine needs for it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from gapless.kernels import Linear
+from gapless.model.families import vit
+from gapless.model.families.common import Shapes
+from gapless.model.families.gemma3 import GemmaNorm, gemma_norm
+from gapless.model.images import PreparedImage
+
+if TYPE_CHECKING:
+    from gapless.model.loader import Weights
+
+ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+TOWER = "vision_tower."
+PROJECTOR = "multi_modal_projector."
+
+
+@dataclass(frozen=True)
+class Gemma3VisionConfig:
+    tower: vit.VitConfig
+    text_hidden: int
+    image_token_id: int
+    tokens_per_image: int
+
+
+def text_config(raw: dict) -> dict:
+    """The language model's config.json keys: our gemma3 family reads them."""
+    text = {"architectures": ["Gemma3ForCausalLM"]} | dict(raw.get("text_config") or {})
+    return text | {"tie_word_embeddings": raw.get("tie_word_embeddings", True)}
+
+
+def config(raw: dict, text_hidden: int) -> Gemma3VisionConfig:
+    return Gemma3VisionConfig(
+        tower=vit.config({"model_type": "siglip_vision_model"} | raw.get("vision_config", {})),
+        text_hidden=text_hidden,
+        image_token_id=raw.get("image_token_index", raw.get("image_token_id", 262_144)),
+        tokens_per_image=raw.get("mm_tokens_per_image", 256),
+    )
+
+
+def tensor_shapes(cfg: Gemma3VisionConfig) -> Shapes:
+    hidden = cfg.tower.hidden_size
+    return vit.tensor_shapes(cfg.tower, TOWER) | {
+        PROJECTOR + "mm_input_projection_weight": (hidden, cfg.text_hidden),
+        PROJECTOR + "mm_soft_emb_norm.weight": (hidden,),
+    }
+
+
+@dataclass
+class Gemma3Vision:
+    cfg: Gemma3VisionConfig
+    tower: vit.Tower
+    norm: GemmaNorm
+    projection: Linear
+
+    @property
+    def image_token_id(self) -> int:
+        return self.cfg.image_token_id
+
+    def tokens(self, image: PreparedImage) -> int:
+        return self.cfg.tokens_per_image
+
+    def encode(self, image: PreparedImage) -> torch.Tensor:
+        """[tokens, text hidden]: the image's embeddings at its placeholder tokens."""
+        states = self.tower.forward(torch.from_numpy(image.pixels))  # [patches, hidden]
+        side = self.cfg.tower.image_size // self.cfg.tower.patch_size
+        kernel = side // round(self.cfg.tokens_per_image**0.5)
+        grid = states.T.reshape(1, -1, side, side)
+        pooled = F.avg_pool2d(grid, kernel, kernel).flatten(2)[0].T  # [tokens, hidden]
+        return self.projection(self.norm(pooled))
+
+
+def build(cfg: Gemma3VisionConfig, w: Weights) -> Gemma3Vision:
+    tower = vit.build(cfg.tower, w, TOWER, cfg.tower.num_layers, post_norm=True)
+    norm = gemma_norm(w.take(PROJECTOR + "mm_soft_emb_norm.weight"), cfg.tower.eps)
+    # transformers multiplies by the weight as stored, [vision hidden, text hidden].
+    weight = w.take(PROJECTOR + "mm_input_projection_weight")
+    return Gemma3Vision(cfg, tower, norm, w.kernels.linear(weight.T.contiguous()))

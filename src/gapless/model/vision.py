@@ -1,0 +1,194 @@
+"""Images in the prompt: a vision-language checkpoint as a text decoder plus a vision encoder, and
+each image's embeddings as a media region of the prompt (how the engine is to consume them:
+docs/vision.md).
+
+A vision family (a module in model/families/, listed in VISION_FAMILIES here) declares:
+- ARCHITECTURES: the config.json `architectures` names it reads;
+- text_config(raw) -> the language model's config.json keys, which a text family reads;
+- config(raw, text_hidden) -> its vision config;
+- tensor_shapes(vcfg) -> {name: shape} of its tower and projector (names as `rename` leaves
+  them: `vision_tower.*`, `multi_modal_projector.*`);
+- build(vcfg, weights) -> a VisionEncoder.
+
+The region is the prompt's run of the encoder's `image_token_id`, one image after another, each
+`tokens(image)` long; the decoder takes the embeddings at those rows instead of the token's
+(decoder.BatchInput.embeds), so a prompt chunk that cuts a region takes its slice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Protocol
+
+import torch
+from PIL import Image
+
+from gapless.device import tune_allocator
+from gapless.kernels import resolve_dtype, select
+from gapless.model.config import ConfigError, ModelConfig
+from gapless.model.decoder import Decoder
+from gapless.model.families import gemma3_vision, llava
+from gapless.model.images import ImageProcessor, PreparedImage
+from gapless.model.loader import (
+    WeightError,
+    Weights,
+    build_decoder,
+    expected_shapes,
+    read_weights,
+)
+
+VISION_FAMILIES: tuple[ModuleType, ...] = (llava, gemma3_vision)
+
+# Where checkpoints put the language model and the vision side, by the transformers version
+# that saved them, -> the names the families read (first match wins).
+PREFIXES = (
+    ("language_model.model.", "model."),  # before 4.52
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),  # 4.52 on
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.visual.", "visual."),
+)
+
+
+def rename(name: str) -> str:
+    """A vision-language checkpoint's tensor name -> the name our families read."""
+    for old, new in PREFIXES:
+        if name.startswith(old):
+            name = new + name.removeprefix(old)
+            break
+    # CLIP's and SigLIP's transformers classes nest their modules one level deeper.
+    return name.replace("vision_tower.vision_model.", "vision_tower.", 1)
+
+
+def vision_family_of(architecture: str | None) -> ModuleType:
+    for family in VISION_FAMILIES:
+        if architecture in family.ARCHITECTURES:
+            return family
+    names = [name for family in VISION_FAMILIES for name in family.ARCHITECTURES]
+    raise ConfigError(
+        f"unsupported vision-language architecture {architecture!r}; supported: {', '.join(names)}"
+    )
+
+
+class VisionEncoder(Protocol):
+    @property
+    def image_token_id(self) -> int:
+        """The placeholder token an image's region is made of."""
+        ...
+
+    def tokens(self, image: PreparedImage) -> int:
+        """How many placeholder tokens the image takes in the prompt."""
+        ...
+
+    def encode(self, image: PreparedImage) -> torch.Tensor:
+        """The image's embeddings [tokens, text hidden], in the decoder's dtype."""
+        ...
+
+
+@dataclass
+class VisionLanguageModel:
+    decoder: Decoder
+    encoder: VisionEncoder
+    processor: ImageProcessor
+
+
+def load_vision_language(
+    path: str | Path, dtype: str = "auto", device: str | torch.device = "cpu"
+) -> VisionLanguageModel:
+    """A vision-language checkpoint directory: its language model as a Decoder of its text
+    family, its vision tower and projector as a VisionEncoder, its image processor."""
+    tune_allocator()  # before the probe's first oneDNN op, as load_decoder
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    family = vision_family_of((raw.get("architectures") or [None])[0])
+    cfg = ModelConfig.from_dict(family.text_config(raw))
+    vcfg = family.config(raw, cfg.hidden_size)
+    dev = torch.device(device)
+    kernels = select(dev, resolve_dtype(dtype, dev, False), False)
+    text_shapes = expected_shapes(cfg)
+    shapes = text_shapes | family.tensor_shapes(vcfg)
+    weights = read_weights(path, shapes, cfg.tie_word_embeddings, kernels.dtype, dev, rename)
+    text = {name: weights.pop(name) for name in text_shapes}
+    vision = Weights(weights, kernels, None)  # type: ignore[arg-type]
+    encoder = family.build(vcfg, vision)
+    if vision.weights:
+        raise WeightError(f"{family.__name__} left tensor {next(iter(vision.weights))} unused")
+    return VisionLanguageModel(
+        build_decoder(cfg, text, kernels), encoder, ImageProcessor.from_pretrained(path)
+    )
+
+
+@dataclass
+class MediaRegion:
+    """One image's placeholder tokens in a prompt: positions start..end-1 take embeds' rows."""
+
+    start: int
+    embeds: torch.Tensor  # [end - start, hidden]
+    key: str  # the image's content hash: what the prefix cache keys these positions by
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.embeds)
+
+
+def image_key(image: PreparedImage) -> str:
+    """A hash of what the encoder sees: equal keys, equal embeddings."""
+    digest = hashlib.blake2b(image.pixels.tobytes(), digest_size=16)
+    digest.update(repr((image.pixels.shape, image.grid)).encode())
+    return digest.hexdigest()
+
+
+@torch.inference_mode()
+def media_regions(
+    model: VisionLanguageModel, token_ids: list[int], images: list[Image.Image]
+) -> list[MediaRegion]:
+    """The images' regions in the prompt, in order: each image encoded once."""
+    prepared = [model.processor(image) for image in images]
+    starts = placeholder_starts(
+        token_ids, model.encoder.image_token_id, [model.encoder.tokens(p) for p in prepared]
+    )
+    return [
+        MediaRegion(start, model.encoder.encode(image), image_key(image))
+        for start, image in zip(starts, prepared, strict=True)
+    ]
+
+
+def placeholder_starts(token_ids: list[int], image_token_id: int, lengths: list[int]) -> list[int]:
+    """Where each image's run of placeholders starts: the prompt's placeholders, taken in order,
+    lengths[i] for image i, each run unbroken."""
+    positions = [i for i, t in enumerate(token_ids) if t == image_token_id]
+    if len(positions) != sum(lengths):
+        raise ValueError(
+            f"the prompt has {len(positions)} image tokens, its {len(lengths)} images take "
+            f"{sum(lengths)}"
+        )
+    starts, taken = [], 0
+    for n in lengths:
+        start = positions[taken]
+        if positions[taken + n - 1] != start + n - 1:
+            raise ValueError(f"image {len(starts)}'s {n} tokens are not one run from {start}")
+        starts.append(start)
+        taken += n
+    return starts
+
+
+def chunk_embeds(
+    regions: list[MediaRegion], start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What a prompt chunk of positions start..end-1 gives the decoder as BatchInput.embeds
+    (rows counted from the chunk's first): the slices of the regions it cuts; None if none."""
+    rows, embeds = [], []
+    for region in regions:
+        lo, hi = max(start, region.start), min(end, region.end)
+        if lo < hi:
+            rows.append(torch.arange(lo - start, hi - start))
+            embeds.append(region.embeds[lo - region.start : hi - region.start])
+    if not rows:
+        return None
+    device = embeds[0].device
+    return torch.cat(rows).to(device), torch.cat(embeds)

@@ -1,0 +1,381 @@
+"""Images in the prompt (model/vision.py) compute what transformers computes, on tiny random
+vision-language checkpoints built with transformers' own classes and images drawn here with
+Pillow: preprocessing equal to transformers' image processors, image features equal to its
+get_image_features, and prompt logprobs over prompts with two image regions equal to its
+forward, whole and in 16-token chunks that cut the regions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from checkpoints import _perturb_constant_params
+from PIL import Image, ImageDraw
+from test_model import Seq, prompt
+
+from gapless.engine.runner import ModelRunner
+from gapless.kernels import select
+from gapless.model.families import qwen2_5_vl
+from gapless.model.images import ImageProcessor
+from gapless.model.loader import Weights
+from gapless.model.vision import (
+    MediaRegion,
+    VisionLanguageModel,
+    chunk_embeds,
+    load_vision_language,
+    media_regions,
+    placeholder_starts,
+    rename,
+)
+
+VOCAB = 512
+IMAGE_TOKEN = VOCAB - 1  # the prompts' text ids are below 500
+
+
+def drawn(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
+    """Noise under shapes: every resize filter's and crop's mistakes show."""
+    rng = np.random.default_rng(seed)
+    image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    draw = ImageDraw.Draw(image)
+    draw.ellipse((width // 5, height // 4, width * 3 // 4, height * 4 // 5), fill=(250, 30, 90))
+    draw.line((0, height - 1, width - 1, 0), fill=(10, 200, 40), width=3)
+    if mode == "RGBA":  # half of it transparent: composited onto white
+        image.putalpha(Image.fromarray(rng.integers(0, 256, (height, width), dtype=np.uint8)))
+    return image.convert(mode)
+
+
+IMAGES = [
+    drawn(61, 45),
+    drawn(40, 77, seed=1),
+    drawn(50, 50, "RGBA", seed=2),
+    drawn(90, 33, "L", seed=3),
+    drawn(35, 52, "P", seed=4),
+]
+
+
+def pil_processor(name: str, **kwargs):
+    import transformers.models as models
+
+    module, cls = {
+        "clip": ("clip.image_processing_pil_clip", "CLIPImageProcessorPil"),
+        "llava": ("llava.image_processing_pil_llava", "LlavaImageProcessorPil"),
+        "siglip": ("siglip.image_processing_pil_siglip", "SiglipImageProcessorPil"),
+        "gemma3": ("gemma3.image_processing_pil_gemma3", "Gemma3ImageProcessorPil"),
+        "qwen2_vl": ("qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessorPil"),
+    }[name]
+    mod = __import__(f"{models.__name__}.{module}", fromlist=[cls])
+    return getattr(mod, cls)(**kwargs)
+
+
+PROCESSORS = {
+    "clip": ("clip", {"size": {"shortest_edge": 42}, "crop_size": {"height": 42, "width": 42}}),
+    "llava-pad": (
+        "llava",
+        {"size": {"shortest_edge": 42}, "crop_size": {"height": 42, "width": 42}, "do_pad": True},
+    ),
+    "siglip": ("siglip", {"size": {"height": 35, "width": 35}}),
+    "gemma3": ("gemma3", {"size": {"height": 56, "width": 56}}),
+    "qwen2_vl": (
+        "qwen2_vl",
+        {"size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 9}, "patch_size": 14},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", PROCESSORS)
+def test_preprocessing_equals_transformers_processor(tmp_path: Path, name: str) -> None:
+    kind, kwargs = PROCESSORS[name]
+    reference = pil_processor(kind, **kwargs)
+    reference.save_pretrained(tmp_path)
+    ours = ImageProcessor.from_pretrained(tmp_path)
+    for image in IMAGES:
+        want = reference(image, return_tensors="np")
+        got = ours(image)
+        pixels = want["pixel_values"]  # Qwen2-VL's: one image's patches; else a batch of one
+        if kind == "qwen2_vl":
+            assert got.grid == tuple(want["image_grid_thw"][0])
+        else:
+            pixels = pixels[0]
+        np.testing.assert_allclose(got.pixels, pixels, rtol=0, atol=1e-6)
+
+
+# ---- tiny vision-language checkpoints -------------------------------------------------------
+
+TEXT = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "initializer_range": 0.2,  # as checkpoints.py: logits far from uniform
+}
+TOWER = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "patch_size": 7,
+    "initializer_range": 0.2,
+}
+
+
+def save(model, processor, out: Path) -> Path:
+    _perturb_constant_params(model, 0)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+def make_llava(out: Path, tower: str) -> Path:
+    """CLIP: states after the 2nd of 3 layers, class token dropped (llava-1.5's settings);
+    SigLIP: two layers' states side by side, every token kept."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if tower == "clip":
+        vision = tf.CLIPVisionConfig(**TOWER, image_size=42)
+        settings = {"vision_feature_layer": -2, "vision_feature_select_strategy": "default"}
+        processor = pil_processor("llava", **PROCESSORS["llava-pad"][1])
+    else:
+        vision = tf.SiglipVisionConfig(**TOWER, image_size=35)
+        settings = {"vision_feature_layer": [-3, -1], "vision_feature_select_strategy": "full"}
+        processor = pil_processor("siglip", **PROCESSORS["siglip"][1])
+    config = tf.LlavaConfig(
+        text_config=tf.LlamaConfig(**TEXT),
+        vision_config=vision,
+        image_token_index=IMAGE_TOKEN,
+        projector_hidden_act="gelu",
+        **settings,
+    )
+    model = tf.LlavaForConditionalGeneration(config).float().eval()
+    return save(model, processor, out)
+
+
+def make_gemma3(out: Path) -> Path:
+    """64 patches pooled to 16 tokens; a sliding-window layer (window 24) and a global one."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    text = tf.Gemma3TextConfig(
+        **TEXT,
+        head_dim=32,
+        query_pre_attn_scalar=48,
+        sliding_window=24,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    vision = tf.SiglipVisionConfig(**TOWER, image_size=56, vision_use_head=False)
+    config = tf.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=16,
+        boi_token_index=IMAGE_TOKEN - 2,
+        eoi_token_index=IMAGE_TOKEN - 1,
+        image_token_index=IMAGE_TOKEN,
+    )
+    model = tf.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():  # transformers starts the projection at zero: every image would be 0
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2)
+    return save(model, pil_processor("gemma3", **PROCESSORS["gemma3"][1]), out)
+
+
+CHECKPOINTS = {
+    "llava-clip": lambda out: make_llava(out, "clip"),
+    "llava-siglip": lambda out: make_llava(out, "siglip"),
+    "gemma3": make_gemma3,
+}
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory):
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = CHECKPOINTS[name](tmp_path_factory.mktemp(name))
+        return built[name]
+
+    return get
+
+
+def hf_vlm(path: Path):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoImageProcessor.from_pretrained(path)
+
+
+def image_prompt(model: VisionLanguageModel, images: list[Image.Image]) -> list[int]:
+    """Text, an image's placeholders, text, the next image's, text: regions that 16-token
+    chunks cut."""
+    ids = prompt(13, seed=1)
+    for i, image in enumerate(images):
+        n = model.encoder.tokens(model.processor(image))
+        ids += [IMAGE_TOKEN] * n + prompt(9 + 4 * i, seed=2 + i)
+    return ids
+
+
+def run_prompt(model: VisionLanguageModel, ids: list[int], regions: list[MediaRegion], sizes):
+    """Logits of every prompt position, the prompt run in chunks of these sizes; each chunk
+    gets its slice of the regions, as the engine is to give it."""
+    decoder = model.decoder
+
+    def with_regions(batch, kv_cache):
+        start = int(batch.positions[0])
+        batch.embeds = chunk_embeds(regions, start, start + len(batch.positions))
+        return type(decoder).forward(decoder, batch, kv_cache)
+
+    decoder.forward = with_regions  # type: ignore[method-assign]
+    runner, seq, out = ModelRunner(decoder, 16, 16), Seq(ids, 0), []
+    for n in sizes:
+        out.append(runner.execute([seq.chunk(n)], {0})[0])
+        seq.req.num_computed += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_image_features_equal_transformers(vlm, name: str) -> None:
+    path = vlm(name)
+    hf, hf_processor = hf_vlm(path)
+    ours = load_vision_language(path, "float32")
+    images = IMAGES[:2]
+    with torch.no_grad():
+        pixels = hf_processor(images, return_tensors="pt")["pixel_values"]
+        want = list(hf.get_image_features(pixel_values=pixels).pooler_output)
+    for image, features in zip(images, want, strict=True):
+        got = ours.encoder.encode(ours.processor(image))
+        assert got.shape == features.shape
+        assert (got - features).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_prompt_with_two_images_equals_transformers_whole_and_in_chunks(vlm, name: str) -> None:
+    path = vlm(name)
+    hf, hf_processor = hf_vlm(path)
+    ours = load_vision_language(path, "float32")
+    images = IMAGES[:2]
+    ids = image_prompt(ours, images)
+    with torch.no_grad():
+        pixels = hf_processor(images, return_tensors="pt")["pixel_values"]
+        # Gemma 3 without token_type_ids: causal over the image tokens, as our decoder attends
+        # (test_gemma3_bidirectional_image_attention_is_what_differs).
+        want = hf(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
+    regions = media_regions(ours, ids, images)
+    assert [r.end - r.start for r in regions] == [
+        ours.encoder.tokens(ours.processor(i)) for i in images
+    ]
+    whole = run_prompt(ours, ids, regions, [len(ids)])
+    assert (whole.log_softmax(-1) - want.log_softmax(-1)).abs().max().item() < 1e-4
+    cuts = [16] * (len(ids) // 16) + [len(ids) % 16]
+    assert any(r.start % 16 and r.end - r.start > 16 - r.start % 16 for r in regions)  # cut
+    chunked = run_prompt(ours, ids, regions, [n for n in cuts if n])
+    assert (chunked - whole).abs().max().item() < 1e-4
+
+
+def test_gemma3_bidirectional_image_attention_is_what_differs(vlm) -> None:
+    """transformers, given its processor's token_type_ids, lets an image's tokens attend to each
+    other both ways; our causal decoder matches it up to the first image token, and not after."""
+    path = vlm("gemma3")
+    hf, hf_processor = hf_vlm(path)
+    ours = load_vision_language(path, "float32")
+    images = IMAGES[:2]
+    ids = image_prompt(ours, images)
+    with torch.no_grad():
+        pixels = hf_processor(images, return_tensors="pt")["pixel_values"]
+        token_types = torch.tensor([[int(t == IMAGE_TOKEN) for t in ids]])
+        want = hf(input_ids=torch.tensor([ids]), pixel_values=pixels, token_type_ids=token_types)
+    got = run_prompt(ours, ids, media_regions(ours, ids, images), [len(ids)])
+    first = ids.index(IMAGE_TOKEN)
+    diff = (got.log_softmax(-1) - want.logits[0].log_softmax(-1)).abs().amax(-1)
+    assert diff[:first].max().item() < 1e-4
+    assert diff[first:].max().item() > 1e-2
+
+
+def test_placeholders_are_taken_one_run_per_image() -> None:
+    ids = [1, 9, 9, 9, 2, 9, 9, 3]
+    assert placeholder_starts(ids, 9, [3, 2]) == [1, 5]
+    assert placeholder_starts([9] * 5, 9, [2, 3]) == [0, 2]  # adjacent images
+    with pytest.raises(ValueError, match="image tokens"):
+        placeholder_starts(ids, 9, [3, 3])
+    with pytest.raises(ValueError, match="one run"):
+        placeholder_starts(ids, 9, [4, 1])
+
+
+def test_a_chunk_takes_the_slices_of_the_regions_it_cuts() -> None:
+    a = MediaRegion(3, torch.arange(10.0)[:, None], "a")  # positions 3..12
+    b = MediaRegion(14, torch.arange(10.0, 14.0)[:, None], "b")  # 14..17
+    rows, embeds = chunk_embeds([a, b], 8, 16)
+    assert rows.tolist() == [0, 1, 2, 3, 4, 6, 7]
+    assert embeds[:, 0].tolist() == [5, 6, 7, 8, 9, 10, 11]
+    assert chunk_embeds([a, b], 0, 3) is None
+
+
+# ---- Qwen2.5-VL: the tower and M-RoPE positions (its language model is not built yet) -------
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    """3 blocks (the middle one over the whole image, the others in 2x2-unit windows that the
+    test images' 3x2 and 2x3 unit grids cut), and its processor."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.Qwen2_5_VLConfig(
+        text_config={
+            **TEXT,
+            "num_hidden_layers": 1,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]},
+        },
+        vision_config={
+            "depth": 3,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_heads": 4,
+            "patch_size": 14,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+            "out_hidden_size": TEXT["hidden_size"],
+            "initializer_range": 0.2,
+        },
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=IMAGE_TOKEN - 1,
+        vision_start_token_id=IMAGE_TOKEN - 2,
+        vision_end_token_id=IMAGE_TOKEN - 3,
+    )
+    model = tf.Qwen2_5_VLForConditionalGeneration(config).float().eval()
+    _perturb_constant_params(model, 0)
+    return model, pil_processor("qwen2_vl", **PROCESSORS["qwen2_vl"][1])
+
+
+def test_qwen2_5_vl_features_equal_transformers(qwen) -> None:
+    hf, processor = qwen
+    vcfg = qwen2_5_vl.config(hf.config.to_dict(), TEXT["hidden_size"])
+    weights = {rename(n): t for n, t in hf.state_dict().items() if ".visual." in n}
+    kernels = select(torch.device("cpu"), torch.float32, False)
+    tower = qwen2_5_vl.build(vcfg, Weights(weights, kernels, None))
+    ours = ImageProcessor.from_dict(processor.to_dict())
+    images = IMAGES[:2]
+    with torch.no_grad():
+        inputs = processor(images, return_tensors="pt")
+        want = hf.model.get_image_features(
+            pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"]
+        ).pooler_output
+    for image, features in zip(images, want, strict=True):
+        prepared = ours(image)
+        assert tower.tokens(prepared) == len(features)
+        assert (tower.encode(prepared) - features).abs().max().item() < 1e-4
+
+
+def test_qwen2_5_vl_mrope_positions_equal_transformers(qwen) -> None:
+    hf, processor = qwen
+    grids = [(1, 6, 4), (1, 4, 8)]
+    ids = prompt(5) + [IMAGE_TOKEN] * 6 + prompt(3, seed=1) + [IMAGE_TOKEN] * 8 + prompt(4)
+    want, _ = hf.model.get_rope_index(
+        torch.tensor([ids]),
+        mm_token_type_ids=torch.tensor([[int(t == IMAGE_TOKEN) for t in ids]]),
+        image_grid_thw=torch.tensor(grids),
+    )
+    assert qwen2_5_vl.mrope_positions(ids, IMAGE_TOKEN, grids, 2).tolist() == want[:, 0].tolist()
