@@ -275,6 +275,39 @@ def test_prompt_with_two_images_equals_transformers_whole_and_in_chunks(vlm, nam
     assert (chunked - whole).abs().max().item() < 1e-4
 
 
+# transformers 5 saves the layout of 4.x without CLIP's and SigLIP's `vision_model.` level;
+# Hub checkpoints have that level, and those saved by 4.52 on a `model.` prefix.
+LAYOUTS = {
+    "hub, before 4.52": (("vision_tower.", "vision_tower.vision_model."),),
+    "4.52 on": (
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("vision_tower.", "model.vision_tower.vision_model."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_checkpoint_layouts_load_alike(vlm, tmp_path: Path, layout: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = vlm("llava-clip")
+    for file in ("config.json", "preprocessor_config.json"):
+        (tmp_path / file).write_bytes((path / file).read_bytes())
+    renamed = {}
+    for name, tensor in load_file(path / "model.safetensors").items():
+        old, new = next(((o, n) for o, n in LAYOUTS[layout] if name.startswith(o)), ("", ""))
+        renamed[new + name.removeprefix(old)] = tensor
+    save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    image = IMAGES[0]
+    ours, moved = load_vision_language(path, "float32"), load_vision_language(tmp_path, "float32")
+    ids = image_prompt(ours, [image])
+    want = run_prompt(ours, ids, media_regions(ours, ids, [image]), [len(ids)])
+    got = run_prompt(moved, ids, media_regions(moved, ids, [image]), [len(ids)])
+    assert torch.equal(got, want)
+
+
 def test_gemma3_bidirectional_image_attention_is_what_differs(vlm) -> None:
     """transformers, given its processor's token_type_ids, lets an image's tokens attend to each
     other both ways; our causal decoder matches it up to the first image token, and not after."""
