@@ -14,11 +14,14 @@ transformers' for 15 tokens, then takes a near-tie the other way.
 
 from __future__ import annotations
 
+import copy
 import heapq
 from pathlib import Path
 
 import pytest
 import torch
+from test_chat_templates import CHAT, assert_same, template
+from transformers import PreTrainedTokenizerFast
 
 from gapless import LLM, SamplingParams
 
@@ -91,3 +94,42 @@ def test_greedy_continuation_is_transformers_and_english(llm, hf):
     # The base model's answer: " the capital of the country of France. It is the largest city
     # in France." (transformers' too, then it goes on otherwise; no "Paris").
     assert out.text.startswith(" the capital of the country of France.")
+
+
+def test_gemma3_chat_template_renders_as_transformers(llm):
+    """The file is the base model's: it has no chat template, so chat is refused. Gemma 3's
+    instruction-tuned template (tests/chat_templates) renders with this file's vocabulary and
+    special tokens as transformers' apply_chat_template renders it with the same ones."""
+    tokenizer = llm.tokenizer
+    assert tokenizer.chat_template is None
+    with pytest.raises(ValueError, match="no chat template"):
+        tokenizer.apply_chat_template(CHAT)
+    specials = tokenizer.special_token_strings
+    assert specials == {
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+    }
+    # A copy: the module's LLM keeps its tokenizer as the file has it.
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.chat_template = template("google-gemma-3-it.jinja")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend, chat_template=tokenizer.chat_template, **specials
+    )
+    for messages in (CHAT, CHAT[1:], CHAT[1:2]):
+        assert_same(tokenizer, hf, messages)
+    # Gemma has no system turn: the system message opens the first user turn.
+    assert tokenizer.apply_chat_template(CHAT[:2]) == (
+        "<bos><start_of_turn>user\nYou are terse.\n\nWhat is 2+2?<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+    # The turn markers are single control tokens of the file's vocabulary.
+    ids = tokenizer.encode_chat(CHAT[1:2])
+    assert ids.count(tokenizer.backend.token_to_id("<start_of_turn>")) == 2
+    assert ids.count(tokenizer.backend.token_to_id("<end_of_turn>")) == 1
+    # Both refuse a conversation whose turns do not alternate.
+    with pytest.raises(ValueError, match="alternate"):
+        tokenizer.apply_chat_template([CHAT[1], CHAT[1]])
+    with pytest.raises(Exception, match="alternate"):
+        hf.apply_chat_template([CHAT[1], CHAT[1]], tokenize=False)

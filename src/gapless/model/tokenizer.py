@@ -33,6 +33,10 @@ _SPECIAL_TOKEN_NAMES = (
     "mask_token",
 )
 _BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# A message's reasoning goes by these names; transformers shows it to a template under the
+# first two whichever was given (Qwen3's templates read `reasoning_content`, gpt-oss's
+# `thinking`).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -78,6 +82,16 @@ def is_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as transformers hands it to a chat template: a None field is absent, and
+    reasoning is under `thinking` and `reasoning_content` whatever its name."""
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _raise_exception(message: str) -> None:
@@ -334,8 +348,7 @@ class Tokenizer:
             raise ValueError(NO_CHAT_TEMPLATE)
         if self._compiled_template is None:
             self._compiled_template = compile_chat_template(self.chat_template)
-        # Like transformers: a None field counts as absent, so templates test it with `in`.
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        messages = [_template_message(m) for m in messages]
         variables: dict[str, Any] = {"tools": None, "documents": None}
         variables.update(self.special_token_strings)
         variables.update(kwargs)
