@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,18 @@ def run(parser: str | None, text: str, pieces: int = 1, **kw) -> tuple[list[str]
 
 def hermes(*calls: dict) -> str:
     return "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+
+
+def phi4(call: dict) -> str:
+    return f"<|tool_call|>{json.dumps(call)}<|/tool_call|>"
+
+
+def harmony_call(call: dict) -> str:
+    """A gpt-oss call as the model writes it after `<|start|>assistant`."""
+    return (
+        f"<|start|>assistant<|channel|>commentary to=functions.{call['name']} "
+        f"<|constrain|>json<|message|>{json.dumps(call['arguments'])}<|call|>"
+    )
 
 
 @pytest.mark.parametrize("pieces", [1, 3, 1000])
@@ -58,6 +71,44 @@ def hermes(*calls: dict) -> str:
             "",
             [WEATHER],
         ),
+        (
+            "phi4_mini",
+            "Let me check." + phi4(WEATHER) + phi4(TIME),
+            "Let me check.",
+            [WEATHER, TIME],
+        ),
+        (
+            "phi4_mini",
+            f"<|tool_call|>{json.dumps([WEATHER, TIME])}<|/tool_call|>",
+            "",
+            [WEATHER, TIME],
+        ),
+        # Generation stops at <|call|> (an end-of-generation token), which may be cut off.
+        ("phi4_mini", "<|tool_call|>" + json.dumps(WEATHER), "", [WEATHER]),
+        # gpt-oss: reasoning, then a call; the reasoning is not content.
+        (
+            "harmony",
+            "<|channel|>analysis<|message|>The user wants the weather.<|end|>"
+            + harmony_call(WEATHER),
+            "",
+            [WEATHER],
+        ),
+        # The recipient may come before the channel, as the template writes past calls.
+        (
+            "harmony",
+            "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>"
+            '{"zone": "CET"}<|call|>' + harmony_call(WEATHER),
+            "",
+            [TIME, WEATHER],
+        ),
+        # No call: the final channel is the content.
+        (
+            "harmony",
+            "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
+            "<|message|>It is 4.<|return|>",
+            "It is 4.",
+            [],
+        ),
     ],
 )
 def test_calls_are_parsed_and_never_streamed_as_content(parser, output, content, calls, pieces):
@@ -80,6 +131,11 @@ def test_calls_are_parsed_and_never_streamed_as_content(parser, output, content,
         ("llama3_json", '{"name": "get_weather", "parameters": {"city": '),
         ("mistral", "[TOOL_CALLS][{"),
         ("mistral", '[TOOL_CALLS]{"name": "f", "arguments": {}}'),  # not a list
+        ("phi4_mini", "<|tool_call|>get_weather(city='Paris')<|/tool_call|>"),  # not JSON
+        ("phi4_mini", 'Use <|tool_call|>{"name": "get_weather", "arguments": {"ci'),  # cut off
+        ("harmony", "<|channel|>commentary to=functions.get_weather <|constrain|>json"),  # no body
+        ("harmony", '<|channel|>commentary to=functions.f<|message|>{"a": 1'),  # cut off
+        ("harmony", "<|channel|>commentary to=functions.f<|message|>[1, 2]<|call|>"),  # no object
         (None, hermes(WEATHER)),  # no parser: all text
     ],
 )
@@ -130,9 +186,28 @@ def test_forced_schema_names_only_the_chosen_function():
         ("[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS] [TOOL_CALLS]", "mistral"),
         ('{"name": function name, "parameters": dictionary of argument name}', "llama3_json"),
         ("<|python_tag|>{{ message.content }}", "llama3_json"),
+        ("{{ '<|tool|>' + message['tools'] + '<|/tool|>' }}", "phi4_mini"),
+        ("respond with <|tool_call|>{...}<|/tool_call|>", "phi4_mini"),
+        ("{{- '<|start|>assistant<|channel|>final<|message|>' }}", "harmony"),
         ("{{ messages }}", None),
         (None, None),
     ],
 )
 def test_parser_is_detected_from_the_template(template, parser):
     assert detect_parser(template) == parser
+
+
+@pytest.mark.parametrize(
+    ("name", "parser"),
+    [
+        ("openai-gpt-oss-120b.jinja", "harmony"),
+        ("microsoft-Phi-4-mini-instruct.jinja", "phi4_mini"),
+        ("microsoft-Phi-3.5-mini-instruct.jinja", None),
+        ("google-gemma-3-it.jinja", None),
+    ],
+)
+def test_parser_is_detected_from_the_families_templates(name, parser):
+    """The real templates (tests/chat_templates, sources in test_chat_templates.py); Gemma 3's
+    and Phi-3's have no tool-call format."""
+    path = Path(__file__).parent / "chat_templates" / name
+    assert detect_parser(path.read_text(encoding="utf-8")) == parser

@@ -8,6 +8,13 @@ Each model family writes its calls in its own format, which its chat template te
 | `hermes` (Hermes, Qwen 2.5/3) | `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one per call |
 | `llama3_json` (Llama 3.x) | `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, several joined by `;` |
 | `mistral` | `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or `[TOOL_CALLS]name[ARGS]{...}` |
+| `phi4_mini` (Phi-4-mini) | `<|tool_call|>{"name": ..., "arguments": {...}}<|/tool_call|>`, one per call (or a list in one) |
+| `harmony` (gpt-oss) | `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`, a message per call |
+
+A harmony reply is a sequence of messages on channels: with tools offered, all of it is held
+until the end, its calls read out of the messages addressed `to=functions.NAME`, its
+content is the `final` channel's text, and its `analysis` channel (the model's reasoning) is
+dropped, as OpenAI's API does not return it.
 
 A forced call (`tool_choice` `required` or a named function) is generated under a grammar
 instead, as a JSON list of `{"name", "arguments"}` objects (`forced_calls_schema`), whatever
@@ -29,7 +36,7 @@ from gapless.engine.structured import GrammarCompiler
 from gapless.server.protocol import invalid
 from gapless.server.structured_output import checked_schema_grammar
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini", "harmony")
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -187,6 +194,11 @@ def detect_parser(chat_template: str | None) -> str | None:
     template = chat_template or ""
     if "<tool_call>" in template:
         return "hermes"
+    if "<|channel|>" in template:
+        return "harmony"
+    # Phi-4-mini's own template has only the <|tool|> slot for the offered tools.
+    if "<|tool_call|>" in template or "<|tool|>" in template:
+        return "phi4_mini"
     if "[TOOL_CALLS]" in template:
         return "mistral"
     if "<|python_tag|>" in template or '"parameters"' in template:
@@ -231,23 +243,28 @@ def _json_values(text: str, separators: str) -> list[Any] | None:
         values.append(value)
 
 
-def _all(calls: list[ToolCall | None]) -> list[ToolCall] | None:
-    return None if not calls or None in calls else calls  # type: ignore[return-value]
+# What a parser makes of the held text: the content it holds (only a harmony reply has any
+# beside its calls) and the calls; None when it is not what the format writes.
+Parsed = tuple[str, list[ToolCall]] | None
 
 
-def _hermes(held: str) -> list[ToolCall] | None:
+def _all(calls: list[ToolCall | None]) -> Parsed:
+    return None if not calls or None in calls else ("", calls)  # type: ignore[return-value]
+
+
+def _hermes(held: str) -> Parsed:
     # The last call may lack its closing tag when the model stopped right after its JSON.
     bodies = re.split(r"</tool_call>\s*(?:<tool_call>)?", held.removeprefix("<tool_call>"))
     values = [_json_values(b, "") for b in bodies if b.strip()]
     return _all([_call(v[0]) if v and len(v) == 1 else None for v in values])
 
 
-def _llama3(held: str) -> list[ToolCall] | None:
+def _llama3(held: str) -> Parsed:
     values = _json_values(held.removeprefix("<|python_tag|>"), ";")
     return _all([_call(v, "parameters") for v in values or []])
 
 
-def _mistral(held: str) -> list[ToolCall] | None:
+def _mistral(held: str) -> Parsed:
     body = held.removeprefix("[TOOL_CALLS]")
     if "[ARGS]" in body:  # newer format: name[ARGS]{...}, once per call
         parts = re.split(r"\[TOOL_CALLS\]", body)
@@ -263,11 +280,54 @@ def _mistral(held: str) -> list[ToolCall] | None:
     return _all([_call(v) for v in values[0]])
 
 
-def _forced(held: str) -> list[ToolCall] | None:
+def _forced(held: str) -> Parsed:
     values = _json_values(held, "")
     if not values or len(values) != 1 or not isinstance(values[0], list):
         return None
     return _all([_call(v) for v in values[0]])
+
+
+def _phi4_mini(held: str) -> Parsed:
+    bodies = re.split(
+        r"<\|/tool_call\|>\s*(?:<\|tool_call\|>)?", held.removeprefix("<|tool_call|>")
+    )
+    calls: list[ToolCall | None] = []
+    for body in filter(str.strip, bodies):
+        values = _json_values(body, "")
+        if not values or len(values) != 1:
+            return None
+        calls += (
+            [_call(v) for v in values[0]] if isinstance(values[0], list) else [_call(values[0])]
+        )
+    return _all(calls)
+
+
+_HARMONY_MESSAGE = re.compile(
+    r"(?P<header>.*?)<\|message\|>(?P<body>.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|$)", re.S
+)
+_HARMONY_RECIPIENT = re.compile(r"\bto=functions\.([A-Za-z0-9_.-]+)")
+_HARMONY_CHANNEL = re.compile(r"<\|channel\|>(\w+)")
+
+
+def _harmony(held: str) -> Parsed:
+    """Messages, each `[<|start|>assistant][ to=functions.NAME]<|channel|>CHANNEL[ to=...]
+    [<|constrain|>json]<|message|>BODY` up to <|end|>, <|call|> or <|return|> (the last two
+    end generation, so the output may stop before them)."""
+    content, calls = [], []
+    for part in filter(None, held.split("<|start|>")):
+        message = _HARMONY_MESSAGE.fullmatch(part)
+        if message is None:
+            return None
+        recipient = _HARMONY_RECIPIENT.search(message["header"])
+        channel = _HARMONY_CHANNEL.search(message["header"])
+        if recipient is not None:
+            values = _json_values(message["body"], "")
+            if not values or len(values) != 1 or not isinstance(values[0], dict):
+                return None
+            calls.append(ToolCall(recipient[1], json.dumps(values[0], ensure_ascii=False)))
+        elif channel is not None and channel[1] == "final":
+            content.append(message["body"])
+    return "".join(content), calls
 
 
 # parser -> (the texts where calls begin, how the held text becomes calls)
@@ -275,6 +335,8 @@ _FORMATS = {
     "hermes": (("<tool_call>",), _hermes),
     "llama3_json": (("<|python_tag|>", "{"), _llama3),
     "mistral": (("[TOOL_CALLS]",), _mistral),
+    "phi4_mini": (("<|tool_call|>",), _phi4_mini),
+    "harmony": (("<|channel|>", "<|start|>"), _harmony),
 }
 
 
@@ -326,10 +388,11 @@ class ToolCallStream:
             rest, self._pending = self._pending, ""
             return rest, []
         held, self._held = self._held, None
-        calls = self._parse(held)
-        if calls is None:
+        parsed = self._parse(held)
+        if parsed is None:
             return held, []  # not a call after all: the model's text, unchanged
-        return "", calls if self._parallel else calls[:1]
+        content, calls = parsed
+        return content, calls if self._parallel else calls[:1]
 
 
 def output_stream(tools: ToolRequest | None, parser: str | None) -> ToolCallStream:
