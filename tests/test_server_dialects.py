@@ -490,7 +490,7 @@ def test_ollama_tags_show_version(
         ),
         ("/api/generate", {"prompt": "x", "options": {"temperature": "hot"}}, 400, "temperature"),
         ("/api/generate", {"prompt": "x", "options": {"top_p": 7}}, 400, "top_p"),
-        ("/api/generate", {"prompt": "x", "options": {"num_predict": 10**6}}, 400, "num_predict"),
+        ("/api/generate", {"prompt": "x", "options": {"num_predict": "all"}}, 400, "num_predict"),
         (
             "/api/generate",
             {"prompt": "x", "options": {"repeat_penalty": -1}},

@@ -6,8 +6,9 @@ prompt ids and SamplingParams; engine events become NDJSON lines, one per token 
 with `done: true` and the counts and durations, or that last line alone with `stream: false`;
 tool calls are read out of the output as on the OpenAI chat endpoint and come back as
 `message.tool_calls`; errors are {"error": "..."}. One model is always loaded, so
-`keep_alive` is accepted and changes nothing. /api/embed returns the engine's pooled,
-L2-normalized vectors, truncating an input longer than the context unless `truncate` is false.
+`keep_alive` is accepted and changes nothing; `think` is the chat template's thinking
+switch. /api/embed returns the engine's pooled, L2-normalized vectors, truncating an input
+longer than the context unless `truncate` is false.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ _FLOAT_OPTIONS = {
 _INT_OPTIONS = {"top_k": "top_k", "seed": "seed"}
 # The request's names for the engine's fields where the options name them differently.
 _OPTION_NAMES = {"max_tokens": "num_predict", "repetition_penalty": "repeat_penalty"}
+# `think` levels, as gpt-oss's reasoning effort.
+THINK_LEVELS = ("low", "medium", "high")
 # /api/ps: when the model unloads. Never: this is as far as the timestamp goes.
 NEVER_EXPIRES = "9999-12-31T23:59:59Z"
 
@@ -102,17 +105,37 @@ def field_names(chat: bool) -> FieldNames:
     return {**_OPTION_NAMES, "prompt": "messages"} if chat else _OPTION_NAMES
 
 
+def _check_samplers(options: dict[str, Any]) -> None:
+    """Refuses the samplers gapless does not have, rather than sampling otherwise: mirostat
+    (1 or 2) and locally typical sampling (typical_p below 1). Their off values pass."""
+    if protocol.int_field(options, "mirostat"):
+        raise invalid(
+            "mirostat sampling is not supported; use temperature, top_p, top_k or min_p",
+            "options.mirostat",
+        )
+    typical_p = protocol.float_field(options, "typical_p")
+    if typical_p is not None and typical_p < 1:
+        raise invalid(
+            "typical sampling (typical_p below 1) is not supported; use top_p or min_p",
+            "options.typical_p",
+        )
+
+
 def _sampling(
     body: dict[str, Any], admission: Admission, grammars: GrammarCompiler, prompt_len: int
 ) -> dict[str, Any]:
     """SamplingParams fields: `options`, and `format` as the output's grammar."""
     options = protocol.dict_field(body, "options") or {}
+    _check_samplers(options)
     fields = protocol.number_fields(options, _FLOAT_OPTIONS, _INT_OPTIONS)
     num_predict = protocol.int_field(options, "num_predict")
-    # -1 (no limit) and -2 (fill the context) both mean: the rest of the context.
-    if num_predict is not None and num_predict < 0:
-        num_predict = None
-    fields["max_tokens"] = admission.output_budget(num_predict, prompt_len)
+    # -1 (no limit) and -2 (fill the context) both mean: the rest of the context. A limit past
+    # the context ends there, as Ollama's does: clients such as Open WebUI send one number for
+    # every model, whatever its context.
+    room = admission.output_budget(None, prompt_len)
+    fields["max_tokens"] = (
+        room if num_predict is None or num_predict < 0 else min(num_predict, room)
+    )
     fields["stop"] = protocol.stop_field(options)
     fields["grammar"] = ollama_format_grammar(body.get("format"), grammars)
     return fields
@@ -120,6 +143,27 @@ def _sampling(
 
 def _stream(body: dict[str, Any]) -> bool:
     return bool_field(body, "stream") is not False  # Ollama streams unless told not to
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """`think` as the chat template's switch: true or false as `enable_thinking` (Qwen3's,
+    SmolLM3's), a level as `reasoning_effort` (gpt-oss's harmony template). A template
+    without the switch renders as it always does; Ollama's own `template` (a Go template
+    replacing the model's) cannot be run, so it is refused."""
+    if str_field(body, "template"):
+        raise invalid(
+            "template (an Ollama Go template) is not supported: the model's own chat "
+            "template renders every prompt",
+            "template",
+        )
+    think = body.get("think")
+    if think is None:
+        return {}
+    if isinstance(think, bool):
+        return {"enable_thinking": think}
+    if think in THINK_LEVELS:
+        return {"reasoning_effort": think}
+    raise invalid(f"think must be true, false or one of {', '.join(THINK_LEVELS)}", "think")
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -146,7 +190,8 @@ def parse_chat(
 ) -> ParsedOllama:
     tools = _tools(body)
     offered = tools.tools if tools is not None and tools.tools else None
-    prompt_ids = admission.check_prompt(admission.encode_chat(_messages(body), tools=offered))
+    messages, kwargs = _messages(body), _template_kwargs(body)
+    prompt_ids = admission.check_prompt(admission.encode_chat(messages, tools=offered, **kwargs))
     fields = _sampling(body, admission, grammars, len(prompt_ids))
     chat_template = admission.tokenizer.chat_template
     parser = tool_calls.apply_tools(tools, fields, grammars, chat_template, configured_parser)
@@ -160,6 +205,7 @@ def parse_generate(
     as Ollama does, unless `raw` is set or the model has no template."""
     prompt = str_field(body, "prompt") or ""
     system = str_field(body, "system")
+    kwargs = _template_kwargs(body)
     if body.get("images"):
         raise invalid("images are not supported", "images")
     if str_field(body, "suffix"):
@@ -173,7 +219,7 @@ def parse_generate(
     else:
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
-        prompt_ids = admission.check_prompt(admission.encode_chat(messages))
+        prompt_ids = admission.check_prompt(admission.encode_chat(messages, **kwargs))
     fields = _sampling(body, admission, grammars, len(prompt_ids))
     return ParsedOllama(prompt_ids, SamplingParams(**fields), _stream(body))
 

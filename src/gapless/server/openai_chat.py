@@ -84,6 +84,11 @@ def chat_prompt(
     if tools is not None and tools.tools:
         # As transformers' apply_chat_template(tools=...) passes them.
         template_kwargs = {**template_kwargs, "tools": tools.tools}
+    effort = str_field(body, "reasoning_effort")
+    if effort is not None:
+        # The variable gpt-oss's harmony template reads, as vLLM passes it; a template
+        # without it renders as it always does.
+        template_kwargs = {**template_kwargs, "reasoning_effort": effort}
     template_kwargs = {**template_kwargs, "add_generation_prompt": add_generation_prompt}
     return admission.encode_chat(messages, **template_kwargs)
 

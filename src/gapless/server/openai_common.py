@@ -80,6 +80,10 @@ def sampling_fields(
     best_of = int_field(body, "best_of")
     if best_of is not None and best_of != 1:
         raise invalid("best_of > 1 is not supported", "best_of")
+    # Biasing logits needs a hook in the engine's sampler, which it does not have; an empty
+    # map biases nothing.
+    if protocol.dict_field(body, "logit_bias"):
+        raise invalid("logit_bias is not supported; send an empty object or none", "logit_bias")
 
     limit = int_field(body, max_tokens_name(body))
     fields = protocol.number_fields(

@@ -201,9 +201,11 @@ def text_content(content: Any, param: str) -> str | None:
 
 
 def check_model(model: Any, served: str) -> None:
-    """A request's `model` must name the served model; a missing one is allowed: one model
-    is served, so there is nothing to choose."""
-    if model is None or model == served:
+    """A request's `model` must name the served model, or its Ollama name `<name>:latest`
+    (which Ollama's clients, Open WebUI's Ollama connection among them, send to the OpenAI
+    endpoints too); a missing one is allowed: one model is served, so there is nothing to
+    choose."""
+    if model is None or model in (served, f"{served}:latest"):
         return
     if not isinstance(model, str):
         raise invalid("model must be a string", "model")
