@@ -39,6 +39,9 @@ class BatchInput:
     # Rows whose input is given instead of looked up: (rows [N], embeddings [N, hidden]), an
     # image's embeddings at its placeholder tokens (model/vision.py); None: none.
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # M-RoPE's (t, h, w) positions [3, T] (Qwen2.5-VL: an image's tokens on its grid);
+    # None: positions on all three.
+    rope_positions: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,12 +85,14 @@ class Rope:
     """One rotary embedding: its inverse frequencies, and a factor on cos and sin (LongRoPE's
     attention factor; 1 elsewhere). Layers with the same rope share one, so that a step
     computes its rotations once. With long_inv_freq (LongRoPE), positions from long_from on
-    rotate by those instead."""
+    rotate by those instead. With sections (M-RoPE), runs of that many frequencies rotate by
+    the batch's rope_positions t, h, w in turn."""
 
     inv_freq: torch.Tensor
     scale: float = 1.0
     long_inv_freq: torch.Tensor | None = None
     long_from: int = 0
+    sections: tuple[int, ...] | None = None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -125,7 +130,11 @@ class Step:
         if rope.long_inv_freq is not None:
             long = (self.batch.positions >= rope.long_from)[:, None]
             inv_freq = torch.where(long, rope.long_inv_freq[None, :], inv_freq)
-        freqs = self.batch.positions.float()[:, None] * inv_freq
+        positions = self.batch.positions.float()[:, None]
+        if rope.sections is not None and self.batch.rope_positions is not None:
+            axis = [i % 3 for i, n in enumerate(rope.sections) for _ in range(n)]
+            positions = self.batch.rope_positions[axis].T.float()  # [T, frequencies]
+        freqs = positions * inv_freq
         cos, sin = freqs.cos(), freqs.sin()
         if rope.scale != 1.0:
             cos, sin = cos * rope.scale, sin * rope.scale
