@@ -147,6 +147,28 @@ _ARCH_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "final_logit_softcapping": 8.0,
         },
     ),
+    # Mixtures of experts (tests/test_moe.py; not in ARCHS, whose tests would run them twice).
+    # 3 layers, the middle one dense (mlp_only_layers); 8 experts, 3 chosen per token.
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+            "tie_word_embeddings": False,
+        },
+    ),
+    # 4 experts, 2 chosen per token; a window (24) on every layer, as Mistral's.
+    "mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 24},
+    ),
 }
 
 

@@ -13,6 +13,7 @@ against readers of the same file (transformers' GGUF loader, gguf.quants.dequant
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -32,7 +33,10 @@ _ARCH = {
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "Gemma2ForCausalLM": "gemma2",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "MixtralForCausalLM": "llama",  # a `llama` file with experts
 }
+_EXPERT = re.compile(r"experts\.(\d+)\.")
 
 
 def permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -149,6 +153,11 @@ def write_gguf(
         writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     writer.add_vocab_size(cfg["vocab_size"])
+    if num_experts := cfg.get("num_experts") or cfg.get("num_local_experts"):
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:
+            writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     scaling = cfg.get("rope_scaling") or {}
     if scaling.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -159,6 +168,8 @@ def write_gguf(
 
     drop = set(drop)
     rng = np.random.default_rng(0)
+    tensors: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}  # stacked by llama.cpp into one 3-D tensor
     for hf_name, w in load_file(ckpt / "model.safetensors").items():
         name = gguf_name(hf_name, family.GGUF_NAMES)
         if name in drop or (hf_name == "lm_head.weight" and cfg["tie_word_embeddings"]):
@@ -167,8 +178,15 @@ def write_gguf(
             w = permute_rope_rows(w, heads if "q_proj" in hf_name else kv_heads)
         if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             w = w + 1  # llama.cpp's converter stores Gemma's (1 + w)
+        if expert := _EXPERT.search(hf_name):
+            experts.setdefault(name, {})[int(expert[1])] = w
+        else:
+            tensors[name] = w
+    for name, by_index in experts.items():
+        tensors[name] = np.stack([by_index[e] for e in sorted(by_index)])
+    for name, w in tensors.items():
         kind = next((t for part, t in (mix or {}).items() if part in name), qtype)
-        add_tensor(writer, name, w, kind if w.ndim == 2 else QType.F32, rng)
+        add_tensor(writer, name, w, kind if w.ndim >= 2 else QType.F32, rng)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

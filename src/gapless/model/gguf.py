@@ -6,6 +6,8 @@ the file's blocks (`BlockQuant`), read once into memory, and run on our block ke
 CUDA), Q4_0 and Q4_1 unpack into 4-bit codes for torch's int4 op (`GroupQuant`), and other
 types are dequantized to the run dtype at load, with a warning that names the type and what
 it costs in memory. A type the `gguf` package cannot dequantize either is an error.
+A mixture's experts, stacked by llama.cpp into one 3-D tensor per module, load as one weight
+per expert, each a view of that tensor's rows (blocks, codes or floats alike).
 """
 
 from __future__ import annotations
@@ -46,14 +48,16 @@ INT4_TYPES = (QType.Q4_0, QType.Q4_1)  # without our block kernels, run on torch
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"experts\.\d+\.")
 
 
 def gguf_name(hf_name: str, names: dict[str, str] = common.GGUF_NAMES) -> str:
     """The GGUF tensor name llama.cpp's converter gives a Hugging Face tensor name, by a
-    family's GGUF_NAMES."""
+    family's GGUF_NAMES. Every expert's tensor of a module (mlp.experts.{e}.up_proj) has one
+    name: llama.cpp stacks them into one 3-D tensor (GGUF_NAMES names mlp.experts.up_proj)."""
     module, _, param = hf_name.rpartition(".")
     if layer := _LAYER.fullmatch(module):
-        return f"blk.{layer[1]}.{names[layer[2]]}.{param}"
+        return f"blk.{layer[1]}.{names[_EXPERT.sub('experts.', layer[2])]}.{param}"
     return f"{names[module]}.{param}"
 
 
@@ -105,15 +109,23 @@ def _weight(tensor: gguf.ReaderTensor, kernels: Kernels) -> torch.Tensor | Group
     """A tensor in the form it runs in (see the module's docstring), in this process's memory:
     nothing still maps the file once the load is done."""
     qtype, dev = tensor.tensor_type, kernels.device
-    data = torch.from_numpy(tensor.data)
+    # [rows, bytes per row]; a 3-D tensor's (experts') rows one after another
+    rows = torch.from_numpy(tensor.data).view(-1, tensor.data.shape[-1])
     if qtype in FLOAT_TYPES:
         return dequantize(tensor).to(device=dev, dtype=kernels.dtype, copy=True)
     if kernels.gguf_blocks and blocks.supported(qtype):
-        rows = data.view(-1, data.shape[-1])  # [rows, bytes per row]
         return BlockQuant(rows.to(dev, copy=True), int(qtype), _shape(tensor)[-1])
     if qtype in INT4_TYPES:
-        return unpack(data, qtype).map_rows(lambda t: t.to(dev))
+        return unpack(rows, qtype).map_rows(lambda t: t.to(dev))
     return dequantize(tensor).to(device=dev, dtype=kernels.dtype)
+
+
+def _experts(w: Weight, n: int) -> list[Weight]:
+    """A 3-D tensor of n experts' weights as each expert's [rows, cols]: views, no copy."""
+    if isinstance(w, torch.Tensor):
+        return list(w.unbind(0))
+    per = (w.blocks if isinstance(w, BlockQuant) else w.codes).shape[0] // n
+    return [w.map_rows(lambda t, e=e: t[e * per : (e + 1) * per]) for e in range(n)]
 
 
 def read_config(reader: gguf.GGUFReader) -> ModelConfig:
@@ -212,20 +224,24 @@ def load_gguf(
     run_dtype = resolve_dtype(dtype, dev, quantized)
     kernels = select(dev, run_dtype, quantized)
     family = family_of(cfg.architecture)
-    expected = {
-        gguf_name(n, family.GGUF_NAMES): (n, shape) for n, shape in expected_shapes(cfg).items()
-    }
+    # GGUF name -> the Hugging Face tensors it holds: one, or every expert's, in expert order
+    expected: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for n, shape in expected_shapes(cfg).items():
+        expected.setdefault(gguf_name(n, family.GGUF_NAMES), []).append((n, shape))
     check_names(set(expected), {t.name for t in reader.tensors}, path)
     weights: dict[str, Weight] = {}
     dequantized: Counter[str] = Counter()  # bytes grown by dequantizing, by type
     for tensor in reader.tensors:
-        hf_name, shape = expected[tensor.name]
-        check_shape(tensor.name, _shape(tensor), shape)
+        parts = expected[tensor.name]
+        stacked = (len(parts),) if len(parts) > 1 else ()
+        check_shape(tensor.name, _shape(tensor), (*stacked, *parts[0][1]))
         w = _weight(tensor, kernels)
         if tensor.tensor_type not in FLOAT_TYPES and isinstance(w, torch.Tensor):
             grown = w.numel() * w.element_size() - int(tensor.n_bytes)
             dequantized[tensor.tensor_type.name] += grown
-        weights[hf_name] = family.from_gguf(cfg, hf_name, w)
+        split = _experts(w, len(parts)) if stacked else [w]
+        for (hf_name, _), part in zip(parts, split, strict=True):
+            weights[hf_name] = family.from_gguf(cfg, hf_name, part)
     for name, grown in dequantized.items():
         log.warning(
             "GGUF %s weights have no kernel here: dequantized at load, %.0f MB more in memory",

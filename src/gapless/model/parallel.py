@@ -9,13 +9,15 @@ block; a weight whose columns would cut a block is dequantized first. KV heads a
 query heads; when there are fewer KV heads than ranks, each rank keeps the one KV head its
 query heads read (replicated, as vLLM does). lm_head is split by vocabulary and rank 0
 gathers the logits. The embedding and the norms are replicated: they are small and need no
-communication.
+communication. A mixture's experts are each cut as a dense MLP is (every rank holds a slice of
+every expert, so routing needs nothing between ranks), and its router is replicated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,19 +81,26 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
         )
     if cfg.intermediate_size % size:
         raise ShardError(f"intermediate size {cfg.intermediate_size} does not split over {size}")
+    if (experts := getattr(cfg, "moe_intermediate_size", 0)) % size:
+        raise ShardError(f"experts' intermediate size {experts} does not split over {size}")
 
 
 def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
     """One rank's view: its heads and MLP slice. vocab_size stays whole, since the decoder
     returns gathered logits; lm_head is always its own tensor (a slice even when tied)."""
     check_shardable(cfg, size)
+    experts = getattr(cfg, "moe_intermediate_size", None)
     return dataclasses.replace(
         cfg,
         num_heads=cfg.num_heads // size,
         num_kv_heads=max(1, cfg.num_kv_heads // size),
         intermediate_size=cfg.intermediate_size // size,
         tie_word_embeddings=False,
+        **({} if experts is None else {"moe_intermediate_size": experts // size}),
     )
+
+
+_EXPERT = re.compile(r"experts\.\d+\.")
 
 
 def shard_weights(
@@ -106,17 +115,29 @@ def shard_weights(
     kv_rows = slice(first_kv * d, (first_kv + local.num_kv_heads) * d)
     inter = local.intermediate_size
     mlp_rows = slice(rank * inter, (rank + 1) * inter)
+    expert = getattr(local, "moe_intermediate_size", 0)
+    expert_rows = slice(rank * expert, (rank + 1) * expert)
     rows = {
         "self_attn.q_proj": q_rows,
         "self_attn.k_proj": kv_rows,
         "self_attn.v_proj": kv_rows,
         "mlp.gate_proj": mlp_rows,
         "mlp.up_proj": mlp_rows,
+        # Experts (Qwen3-MoE's names, Mixtral's), each as a dense MLP is cut.
+        "mlp.experts.gate_proj": expert_rows,
+        "mlp.experts.up_proj": expert_rows,
+        "block_sparse_moe.experts.w1": expert_rows,
+        "block_sparse_moe.experts.w3": expert_rows,
     }
-    columns = {"self_attn.o_proj": q_rows, "mlp.down_proj": mlp_rows}
+    columns = {
+        "self_attn.o_proj": q_rows,
+        "mlp.down_proj": mlp_rows,
+        "mlp.experts.down_proj": expert_rows,
+        "block_sparse_moe.experts.w2": expert_rows,
+    }
     for name in list(w):
-        # model.layers.{i}.{module}.{weight or bias}
-        module, _, kind = name.split(".", 3)[-1].rpartition(".")
+        # model.layers.{i}.{module}.{weight or bias}; every expert's module as one
+        module, _, kind = _EXPERT.sub("experts.", name.split(".", 3)[-1]).rpartition(".")
         if module in rows:
             w[name] = _rows(w[name], rows[module], dtype)
         elif module in columns and kind == "weight":

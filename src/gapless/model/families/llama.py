@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,7 +75,12 @@ def config(raw: dict, flags: tuple[bool, bool, bool] | None = None) -> LlamaConf
 
 
 def gguf_config(raw: dict, meta: Meta) -> dict:
-    """config.json's keys of a GGUF file: the keys every llama.cpp file shares say it all."""
+    """config.json's keys of a GGUF file: the keys every llama.cpp file shares say it all,
+    but a `llama` file with experts is Mixtral's."""
+    if meta("expert_count", 0):
+        from gapless.model.families import mixtral  # built on this module: imported late
+
+        return mixtral.gguf_config(raw, meta)
     return raw
 
 
@@ -114,16 +119,16 @@ def unpermute_qk(
 
 
 @dataclass
-class Layer:
+class PreNormLayer:
+    """Llama's layer up to its feed-forward: RMSNorm, attention, residual add; RMSNorm, and the
+    feed-forward each subclass defines (`mlp`), residual add."""
+
     input_norm: torch.Tensor
     qkv: Linear  # q, k and v projections fused: one matmul instead of three
     o: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate: Linear
-    up: Linear
-    down: Linear
     rope: Rope | None  # None: no rotary embedding (SmolLM3's NoPE layers)
     window: int | None
     cfg: LlamaConfig
@@ -146,7 +151,47 @@ class Layer:
         attn = step.attend(qk[:, :heads], qk[:, heads:], v, kv_cache, self.window)
         x = x + step.all_reduce(self.o(attn))
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
-        return x + step.all_reduce(self.down(self.up.times(h, self.gate.silu(h))))
+        return x + step.all_reduce(self.mlp(h))
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass
+class Layer(PreNormLayer):
+    """With a SwiGLU MLP."""
+
+    gate: Linear
+    up: Linear
+    down: Linear
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(self.up.times(h, self.gate.silu(h)))
+
+
+def default_rope(cfg: LlamaConfig, device: torch.device) -> Rope:
+    """The rope the config describes."""
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling)
+    return Rope(inv_freq.to(device))
+
+
+def attention_parts(
+    cfg: LlamaConfig, w: Weights, i: int, rope: Rope | None, window: int | None
+) -> dict[str, Any]:
+    """PreNormLayer's fields of layer i, its weights taken from w."""
+    p = f"model.layers.{i}."
+    attn = p + "self_attn."
+    return {
+        "input_norm": w.take(p + "input_layernorm.weight"),
+        "qkv": w.linear(attn + "q_proj", attn + "k_proj", attn + "v_proj"),
+        "o": w.linear(attn + "o_proj"),
+        "q_norm": w.take_optional(attn + "q_norm.weight"),
+        "k_norm": w.take_optional(attn + "k_norm.weight"),
+        "post_norm": w.take(p + "post_attention_layernorm.weight"),
+        "rope": rope,
+        "window": window,
+        "cfg": cfg,
+    }
 
 
 def build(
@@ -155,26 +200,16 @@ def build(
     """The layers; rope: one other than the config's (a family built on these layers);
     no_rope: the layers that rotate nothing (NoPE)."""
     if rope is None:
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling)
-        rope = Rope(inv_freq.to(w.device))
+        rope = default_rope(cfg, w.device)
     layers = []
     for i, window in enumerate(cfg.layer_windows):
-        p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
+        mlp = f"model.layers.{i}.mlp."
         layers.append(
             Layer(
-                input_norm=w.take(p + "input_layernorm.weight"),
-                qkv=w.linear(attn + "q_proj", attn + "k_proj", attn + "v_proj"),
-                o=w.linear(attn + "o_proj"),
-                q_norm=w.take_optional(attn + "q_norm.weight"),
-                k_norm=w.take_optional(attn + "k_norm.weight"),
-                post_norm=w.take(p + "post_attention_layernorm.weight"),
+                **attention_parts(cfg, w, i, None if i in no_rope else rope, window),
                 gate=w.linear(mlp + "gate_proj"),
                 up=w.linear(mlp + "up_proj"),
                 down=w.linear(mlp + "down_proj"),
-                rope=None if i in no_rope else rope,
-                window=window,
-                cfg=cfg,
             )
         )
     return Body(layers, RMSNorm(w.take("model.norm.weight"), cfg.rms_norm_eps))

@@ -1,0 +1,73 @@
+"""Mixtral: `MixtralForCausalLM`; GGUF `llama` files with experts (`llama.expert_count`).
+
+Mistral's attention (model/families/llama.py runs it; `sliding_window` where set), and on every
+layer Qwen3-MoE's mixture of experts (model/families/qwen3_moe.py) but routed as Mixtral
+routes: the top `num_experts_per_tok` router logits, then a softmax over those alone. Each
+expert (w1 gate, w3 up, w2 down) has `intermediate_size`.
+
+llama.cpp writes Mixtral as a `llama` file (q/k rows permuted for its rope) whose layers hold
+the experts as 3-D tensors (ffn_gate_exps, ffn_up_exps, ffn_down_exps); the llama family reads
+its metadata and hands a file with experts to this one. Older files with one tensor per expert
+(blk.N.ffn_gate.E) are refused as missing the stacked ones.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from gapless.model.decoder import Body
+from gapless.model.families import common, llama, qwen3_moe
+from gapless.model.families.common import Meta, Shapes
+from gapless.model.families.qwen3_moe import MoeConfig, MoeNames
+
+if TYPE_CHECKING:
+    from gapless.model.loader import Weights
+
+ARCHITECTURES = ("MixtralForCausalLM",)
+GGUF_ARCHITECTURES: dict[str, str] = {}  # `llama` files: llama.gguf_config hands them here
+GGUF_NAMES = common.GGUF_NAMES | {
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "block_sparse_moe.experts.w1": "ffn_gate_exps",
+    "block_sparse_moe.experts.w3": "ffn_up_exps",
+    "block_sparse_moe.experts.w2": "ffn_down_exps",
+}
+NAMES = MoeNames("block_sparse_moe", "gate", "w1", "w3", "w2")
+from_gguf = llama.unpermute_qk
+
+
+def config(raw: dict) -> MoeConfig:
+    # Mistral's attention: no bias, no q/k norms, sliding_window on every layer where set.
+    cfg = llama.config(raw, flags=(False, False, True))
+    return MoeConfig(
+        **vars(cfg),
+        num_experts=raw["num_local_experts"],
+        experts_per_token=raw["num_experts_per_tok"],
+        moe_intermediate_size=cfg.intermediate_size,
+        norm_topk_prob=True,  # a softmax over the chosen: their weights sum to 1
+        sparse_layers=(True,) * cfg.num_layers,
+    )
+
+
+def gguf_config(raw: dict, meta: Meta) -> dict:
+    return raw | {
+        "architectures": ["MixtralForCausalLM"],
+        "num_local_experts": meta("expert_count", None),
+        "num_experts_per_tok": meta("expert_used_count", None),
+    }
+
+
+def tensor_shapes(cfg: MoeConfig) -> Shapes:
+    return qwen3_moe.tensor_shapes(cfg, NAMES)
+
+
+def top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral's routing: the k best logits, then a softmax over them."""
+    best, experts = logits.float().topk(k, dim=-1)
+    return best.softmax(dim=-1), experts
+
+
+def build(cfg: MoeConfig, w: Weights) -> Body:
+    k = cfg.experts_per_token
+    return qwen3_moe.build_layers(cfg, w, lambda logits: top_k_softmax(logits, k), NAMES)

@@ -1,0 +1,198 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral) compute what transformers computes: on tiny random
+checkpoints built with transformers' own classes (tests/checkpoints.py), prompt logprobs within
+1e-4 in float32 and the same greedy tokens, however the batch is cut, and over two
+tensor-parallel ranks; their GGUF files (the experts as llama.cpp stacks them) as the
+checkpoints, quantized experts in their blocks; and the experts of a step run grouped, each
+once over all of its tokens.
+"""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf_files import write_gguf
+from test_model import (
+    Seq,
+    check_chunked_prefill_equals_one_call,
+    check_ragged_batch_equals_each_sequence_alone,
+    hf_model,
+    prompt,
+    run_chunks,
+)
+from test_quantize import mean_kl
+from test_tensor_parallel import sharded_runner, tp2  # noqa: F401 - a fixture
+
+from gapless import LLM, SamplingParams
+from gapless.engine.runner import ModelRunner
+from gapless.kernels.linear import BlockLinear, PlainLinear
+from gapless.kernels.moe import Experts
+from gapless.kernels.quant import BlockQuant
+from gapless.model.families.qwen3_moe import MoeLayer
+from gapless.model.gguf import load_gguf
+from gapless.model.loader import load_decoder
+
+# qwen3_moe's checkpoint renormalizes the chosen weights and has a dense middle layer; its
+# "sparse2" variant does neither, with a sparse layer every 2nd (decoder_sparse_step).
+VARIANTS = {
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen3_moe-sparse2": (
+        "qwen3_moe",
+        {"norm_topk_prob": False, "mlp_only_layers": [], "decoder_sparse_step": 2},
+    ),
+    "mixtral": ("mixtral", {}),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prompt_logprobs_and_greedy_tokens_match_transformers(checkpoint, variant):
+    arch, overrides = VARIANTS[variant]
+    path = checkpoint(arch, **overrides)
+    ids = prompt(60, seed=5)  # longer than mixtral's window
+    hf = hf_model(path)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+        # By hand: generate's min_new_tokens would forbid the end tokens, which ignore_eos allows.
+        greedy = ids[:30]
+        for _ in range(40):
+            greedy = greedy + [int(hf(torch.tensor([greedy])).logits[0, -1].argmax())]
+    llm = LLM(path, dtype="float32", prefill_chunk=16)
+    sparse = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers]
+    assert [isinstance(layer, MoeLayer) for layer in llm.engine.decoder.layers] == sparse
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1, ignore_eos=True)
+    out = llm.generate([ids], params)[0]
+    diff = max(
+        abs(out.prompt_logprobs[pos][1] - ref[pos - 1, ids[pos]].item())
+        for pos in range(1, len(ids))
+    )
+    assert diff < 1e-4
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    assert llm.generate([ids[:30]], params)[0].token_ids == greedy[30:]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_chunks_that_cut_windows_equal_one_call(checkpoint, arch, kernels_choice):
+    decoder = load_decoder(checkpoint(arch), "float32")
+    check_chunked_prefill_equals_one_call(ModelRunner(decoder, 32, 16))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_ragged_batch_equals_each_sequence_alone(checkpoint, arch):
+    decoder = load_decoder(checkpoint(arch), "float32")
+    check_ragged_batch_equals_each_sequence_alone(ModelRunner(decoder, 64, 16))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_two_ranks_give_one_ranks_logits(checkpoint, tp2, arch):  # noqa: F811
+    # Each rank holds half of every expert's intermediate rows (and of the dense layer's).
+    path = checkpoint(arch)
+    ids = prompt(80)
+    one = run_chunks(ModelRunner(load_decoder(path, "float32"), 16, 16), Seq(ids, 0), [80])
+    two = run_chunks(sharded_runner(tp2, path, 16), Seq(ids, 0), [16, 64])
+    assert (one - two).abs().max().item() < 1e-4
+
+
+class Counted:
+    """A linear that counts its calls and the rows they bring."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.linear = PlainLinear(weight)
+        self.rows: list[int] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return self.linear(x)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return self.linear.silu(x)
+
+    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return self.linear.times(x, other)
+
+
+def test_experts_run_once_each_over_all_their_tokens():
+    gen = torch.Generator().manual_seed(0)
+    n, hidden, inter, tokens, k = 6, 16, 8, 40, 2
+    gate, up = torch.randn(2, n, inter, hidden, generator=gen)
+    down = torch.randn(n, hidden, inter, generator=gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    # k different experts per token, never the last one
+    chosen = torch.stack([torch.randperm(n - 1, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=gen)
+    linears = [[Counted(w) for w in ws] for ws in (gate, up, down)]
+    got = Experts(*linears)(x, chosen, weights)
+    want = torch.zeros_like(x)
+    for t in range(tokens):
+        for j in range(k):
+            e = chosen[t, j]
+            h = torch.nn.functional.silu(x[t] @ gate[e].T) * (x[t] @ up[e].T)
+            want[t] += weights[t, j] * (h @ down[e].T)
+    assert (got - want).abs().max().item() < 1e-4
+    for e in range(n):
+        count = int((chosen == e).sum())
+        for kind in linears:  # one call per chosen expert, over all of its tokens
+            assert kind[e].rows == ([count] if count else [])
+
+
+def moe_layers(decoder) -> list[MoeLayer]:
+    return [layer for layer in decoder.layers if isinstance(layer, MoeLayer)]
+
+
+# What the files can say: llama.cpp's qwen3moe makes every layer sparse, and a `llama` file
+# (Mixtral's) carries no window (Mixtral 8x7B has none).
+GGUF_READY = {"qwen3_moe": {"mlp_only_layers": []}, "mixtral": {"sliding_window": None}}
+
+
+@pytest.mark.parametrize("arch", GGUF_READY)
+def test_f32_gguf_runs_as_the_checkpoint(checkpoint, tmp_path, arch):
+    ckpt = checkpoint(arch, **GGUF_READY[arch])
+    path = write_gguf(ckpt, tmp_path / f"{arch}.gguf")
+    decoder, _ = load_gguf(path, "float32")
+    assert decoder.config.architecture == load_decoder(ckpt, "float32").config.architecture
+    assert len(moe_layers(decoder)) == decoder.config.num_layers
+    ids = prompt(40)
+    want = run_chunks(ModelRunner(load_decoder(ckpt, "float32"), 8, 16), Seq(ids, 0), [40])
+    got = run_chunks(ModelRunner(decoder, 8, 16), Seq(ids, 0), [40])
+    assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", GGUF_READY)
+def test_quantized_experts_run_in_their_blocks_as_dequantized(
+    checkpoint, tmp_path, monkeypatch, arch
+):
+    # A Q8_0 file, its router float32 as llama.cpp's quantizer leaves it: the experts' 3-D
+    # tensors run in the file's own blocks.
+    ckpt = checkpoint(arch, **GGUF_READY[arch])
+    path = write_gguf(ckpt, tmp_path / f"{arch}.gguf", QType.Q8_0, mix={"ffn_gate_inp": QType.F32})
+    decoder, _ = load_gguf(path, "float32")
+    if not decoder.kernels.gguf_blocks:
+        pytest.skip("our GGUF block kernels could not be built here")
+    file_bytes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    for i, layer in enumerate(decoder.layers):
+        experts = layer.moe.experts
+        for name in ("gate", "up", "down"):
+            kind = getattr(experts, name)
+            assert all(isinstance(lin, BlockLinear) for lin in kind)
+            held = [lin.weight for lin in kind]
+            assert all(isinstance(w, BlockQuant) and w.type_name == "Q8_0" for w in held)
+            # The experts hold the file's blocks of their 3-D tensor and nothing more: no
+            # float copy (views of one tensor, or each its own rows).
+            storages = {w.blocks.untyped_storage().data_ptr(): w.blocks for w in held}
+            held_bytes = sum(b.untyped_storage().nbytes() for b in storages.values())
+            assert held_bytes == file_bytes[f"blk.{i}.ffn_{name}_exps.weight"]
+    monkeypatch.setenv("GAPLESS_KERNELS", "fallback")  # dequantized float32 weights
+    dequantized, _ = load_gguf(path, "float32")
+    ids = prompt(32)
+    want = run_chunks(ModelRunner(dequantized, 8, 16), Seq(ids, 0), [32])
+    # A chunk, whose experts get more and fewer than 16 rows each, then decodes: activations
+    # in 8 bits per block of 32 against the blocks (bf16 tiles for the experts with more
+    # rows, where the CPU multiplies bf16 fast), as test_gguf's dense files run. That moved
+    # a typical row's logits by 1-2% of its largest here; and where a router's choice is a
+    # near-tie, the rounding can flip it: one token of 32 moved by 20% (a layout or routing
+    # mistake moves every row by about as much as the logits are large).
+    got = run_chunks(ModelRunner(decoder, 8, 16), Seq(ids, 0), [28, 1, 1, 1, 1])
+    row_err = (got - want).abs().amax(-1) / want.abs().amax(-1)
+    assert row_err.median().item() < 0.05 and mean_kl(want, got) < 5e-3
