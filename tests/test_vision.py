@@ -17,10 +17,8 @@ from PIL import Image, ImageDraw
 from test_model import Seq, prompt
 
 from gapless.engine.runner import ModelRunner
-from gapless.kernels import select
 from gapless.model.families import qwen2_5_vl
 from gapless.model.images import ImageProcessor
-from gapless.model.loader import Weights
 from gapless.model.vision import (
     MediaRegion,
     VisionLanguageModel,
@@ -28,7 +26,6 @@ from gapless.model.vision import (
     load_vision_language,
     media_regions,
     placeholder_starts,
-    rename,
 )
 
 VOCAB = 512
@@ -182,10 +179,42 @@ def make_gemma3(out: Path) -> Path:
     return save(model, pil_processor("gemma3", **PROCESSORS["gemma3"][1]), out)
 
 
+def make_qwen2_5_vl(out: Path) -> Path:
+    """3 blocks: the middle one over the whole image, the others in windows of 2x2 merge units
+    that the test images' 2x2 and 3x2 unit grids fill and cut; M-RoPE over 8 frequencies."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.Qwen2_5_VLConfig(
+        text_config={
+            **TEXT,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]},
+        },
+        vision_config={
+            "depth": 3,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_heads": 4,
+            "patch_size": 14,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+            "out_hidden_size": TEXT["hidden_size"],
+            "initializer_range": 0.2,
+        },
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=IMAGE_TOKEN - 1,
+        vision_start_token_id=IMAGE_TOKEN - 2,
+        vision_end_token_id=IMAGE_TOKEN - 3,
+    )
+    model = tf.Qwen2_5_VLForConditionalGeneration(config).float().eval()
+    return save(model, pil_processor("qwen2_vl", **PROCESSORS["qwen2_vl"][1]), out)
+
+
 CHECKPOINTS = {
     "llava-clip": lambda out: make_llava(out, "clip"),
     "llava-siglip": lambda out: make_llava(out, "siglip"),
     "gemma3": make_gemma3,
+    "qwen2_5_vl": make_qwen2_5_vl,
 }
 
 
@@ -218,14 +247,41 @@ def image_prompt(model: VisionLanguageModel, images: list[Image.Image]) -> list[
     return ids
 
 
-def run_prompt(model: VisionLanguageModel, ids: list[int], regions: list[MediaRegion], sizes):
+def hf_inputs(hf_processor, images: list[Image.Image], ids: list[int]) -> dict:
+    """What transformers' forward takes beside input_ids: the images as its processor gives
+    them, and for Qwen2.5-VL the token types its M-RoPE positions come from."""
+    inputs = dict(hf_processor(images, return_tensors="pt"))
+    inputs.pop("num_crops", None)
+    if "image_grid_thw" in inputs:
+        inputs["mm_token_type_ids"] = torch.tensor([[int(t == IMAGE_TOKEN) for t in ids]])
+    return inputs
+
+
+def rope_positions(model: VisionLanguageModel, ids: list[int], images) -> torch.Tensor | None:
+    """Qwen2.5-VL's M-RoPE positions of the prompt; None for the others."""
+    if not isinstance(model.encoder, qwen2_5_vl.QwenVision):
+        return None
+    grids = [model.processor(image).grid for image in images]
+    return qwen2_5_vl.mrope_positions(ids, IMAGE_TOKEN, grids, model.encoder.cfg.merge_size)
+
+
+def run_prompt(
+    model: VisionLanguageModel,
+    ids: list[int],
+    regions: list[MediaRegion],
+    sizes: list[int],
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Logits of every prompt position, the prompt run in chunks of these sizes; each chunk
-    gets its slice of the regions, as the engine is to give it."""
+    gets its slice of the regions (and of the M-RoPE positions), as the engine is to give it."""
     decoder = model.decoder
 
     def with_regions(batch, kv_cache):
         start = int(batch.positions[0])
-        batch.embeds = chunk_embeds(regions, start, start + len(batch.positions))
+        end = start + len(batch.positions)
+        batch.embeds = chunk_embeds(regions, start, end)
+        if positions is not None:
+            batch.rope_positions = positions[:, start:end]
         return type(decoder).forward(decoder, batch, kv_cache)
 
     decoder.forward = with_regions  # type: ignore[method-assign]
@@ -243,8 +299,9 @@ def test_image_features_equal_transformers(vlm, name: str) -> None:
     ours = load_vision_language(path, "float32")
     images = IMAGES[:2]
     with torch.no_grad():
-        pixels = hf_processor(images, return_tensors="pt")["pixel_values"]
-        want = list(hf.get_image_features(pixel_values=pixels).pooler_output)
+        inputs = hf_inputs(hf_processor, images, [])
+        inputs.pop("mm_token_type_ids", None)
+        want = list(hf.get_image_features(**inputs).pooler_output)
     for image, features in zip(images, want, strict=True):
         got = ours.encoder.encode(ours.processor(image))
         assert got.shape == features.shape
@@ -259,19 +316,20 @@ def test_prompt_with_two_images_equals_transformers_whole_and_in_chunks(vlm, nam
     images = IMAGES[:2]
     ids = image_prompt(ours, images)
     with torch.no_grad():
-        pixels = hf_processor(images, return_tensors="pt")["pixel_values"]
         # Gemma 3 without token_type_ids: causal over the image tokens, as our decoder attends
         # (test_gemma3_bidirectional_image_attention_is_what_differs).
-        want = hf(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
+        want = hf(input_ids=torch.tensor([ids]), **hf_inputs(hf_processor, images, ids))
+        want = want.logits[0]
     regions = media_regions(ours, ids, images)
     assert [r.end - r.start for r in regions] == [
         ours.encoder.tokens(ours.processor(i)) for i in images
     ]
-    whole = run_prompt(ours, ids, regions, [len(ids)])
+    positions = rope_positions(ours, ids, images)
+    whole = run_prompt(ours, ids, regions, [len(ids)], positions)
     assert (whole.log_softmax(-1) - want.log_softmax(-1)).abs().max().item() < 1e-4
     cuts = [16] * (len(ids) // 16) + [len(ids) % 16]
     assert any(r.start % 16 and r.end - r.start > 16 - r.start % 16 for r in regions)  # cut
-    chunked = run_prompt(ours, ids, regions, [n for n in cuts if n])
+    chunked = run_prompt(ours, ids, regions, [n for n in cuts if n], positions)
     assert (chunked - whole).abs().max().item() < 1e-4
 
 
@@ -346,64 +404,8 @@ def test_a_chunk_takes_the_slices_of_the_regions_it_cuts() -> None:
     assert chunk_embeds([a, b], 0, 3) is None
 
 
-# ---- Qwen2.5-VL: the tower and M-RoPE positions (its language model is not built yet) -------
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    """3 blocks (the middle one over the whole image, the others in 2x2-unit windows that the
-    test images' 3x2 and 2x3 unit grids cut), and its processor."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.Qwen2_5_VLConfig(
-        text_config={
-            **TEXT,
-            "num_hidden_layers": 1,
-            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]},
-        },
-        vision_config={
-            "depth": 3,
-            "hidden_size": 32,
-            "intermediate_size": 48,
-            "num_heads": 4,
-            "patch_size": 14,
-            "window_size": 56,
-            "fullatt_block_indexes": [1],
-            "out_hidden_size": TEXT["hidden_size"],
-            "initializer_range": 0.2,
-        },
-        image_token_id=IMAGE_TOKEN,
-        video_token_id=IMAGE_TOKEN - 1,
-        vision_start_token_id=IMAGE_TOKEN - 2,
-        vision_end_token_id=IMAGE_TOKEN - 3,
-    )
-    model = tf.Qwen2_5_VLForConditionalGeneration(config).float().eval()
-    _perturb_constant_params(model, 0)
-    return model, pil_processor("qwen2_vl", **PROCESSORS["qwen2_vl"][1])
-
-
-def test_qwen2_5_vl_features_equal_transformers(qwen) -> None:
-    hf, processor = qwen
-    vcfg = qwen2_5_vl.config(hf.config.to_dict(), TEXT["hidden_size"])
-    weights = {rename(n): t for n, t in hf.state_dict().items() if ".visual." in n}
-    kernels = select(torch.device("cpu"), torch.float32, False)
-    tower = qwen2_5_vl.build(vcfg, Weights(weights, kernels, None))
-    ours = ImageProcessor.from_dict(processor.to_dict())
-    images = IMAGES[:2]
-    with torch.no_grad():
-        inputs = processor(images, return_tensors="pt")
-        want = hf.model.get_image_features(
-            pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"]
-        ).pooler_output
-    for image, features in zip(images, want, strict=True):
-        prepared = ours(image)
-        assert tower.tokens(prepared) == len(features)
-        assert (tower.encode(prepared) - features).abs().max().item() < 1e-4
-
-
-def test_qwen2_5_vl_mrope_positions_equal_transformers(qwen) -> None:
-    hf, processor = qwen
+def test_qwen2_5_vl_mrope_positions_equal_transformers(vlm) -> None:
+    hf, _ = hf_vlm(vlm("qwen2_5_vl"))
     grids = [(1, 6, 4), (1, 4, 8)]
     ids = prompt(5) + [IMAGE_TOKEN] * 6 + prompt(3, seed=1) + [IMAGE_TOKEN] * 8 + prompt(4)
     want, _ = hf.model.get_rope_index(

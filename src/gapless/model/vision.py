@@ -7,8 +7,10 @@ A vision family (a module in model/families/, listed in VISION_FAMILIES here) de
 - text_config(raw) -> the language model's config.json keys, which a text family reads;
 - config(raw, text_hidden) -> its vision config;
 - tensor_shapes(vcfg) -> {name: shape} of its tower and projector (names as `rename` leaves
-  them: `vision_tower.*`, `multi_modal_projector.*`);
-- build(vcfg, weights) -> a VisionEncoder.
+  them: `vision_tower.*`, `multi_modal_projector.*`, `visual.*`);
+- build(vcfg, weights) -> a VisionEncoder;
+- optionally adapt_decoder(vcfg, decoder): what its language model does beyond its text family
+  (Qwen2.5-VL's M-RoPE).
 
 The region is the prompt's run of the encoder's `image_token_id`, one image after another, each
 `tokens(image)` long; the decoder takes the embeddings at those rows instead of the token's
@@ -31,7 +33,7 @@ from gapless.device import tune_allocator
 from gapless.kernels import resolve_dtype, select
 from gapless.model.config import ConfigError, ModelConfig
 from gapless.model.decoder import Decoder
-from gapless.model.families import gemma3_vision, llava
+from gapless.model.families import gemma3_vision, llava, qwen2_5_vl
 from gapless.model.images import ImageProcessor, PreparedImage
 from gapless.model.loader import (
     WeightError,
@@ -41,7 +43,7 @@ from gapless.model.loader import (
     read_weights,
 )
 
-VISION_FAMILIES: tuple[ModuleType, ...] = (llava, gemma3_vision)
+VISION_FAMILIES: tuple[ModuleType, ...] = (llava, gemma3_vision, qwen2_5_vl)
 
 # Where checkpoints put the language model and the vision side, by the transformers version
 # that saved them, -> the names the families read (first match wins).
@@ -118,9 +120,10 @@ def load_vision_language(
     encoder = family.build(vcfg, vision)
     if vision.weights:
         raise WeightError(f"{family.__name__} left tensor {next(iter(vision.weights))} unused")
-    return VisionLanguageModel(
-        build_decoder(cfg, text, kernels), encoder, ImageProcessor.from_pretrained(path)
-    )
+    decoder = build_decoder(cfg, text, kernels)
+    if hasattr(family, "adapt_decoder"):
+        family.adapt_decoder(vcfg, decoder)
+    return VisionLanguageModel(decoder, encoder, ImageProcessor.from_pretrained(path))
 
 
 @dataclass

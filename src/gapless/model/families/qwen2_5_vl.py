@@ -1,6 +1,10 @@
-"""Qwen2.5-VL's vision side: `Qwen2_5_VLForConditionalGeneration`'s tower and patch merger, and
-the M-RoPE positions of a prompt with images. (Its language model, Qwen2's layers rotated by
-M-RoPE, needs (t, h, w) positions in the decoder's rotation: not built yet, docs/vision.md.)
+"""Qwen2.5-VL: `Qwen2_5_VLForConditionalGeneration`: a windowed ViT with a patch merger before
+Qwen2's layers (our llama family) rotated by M-RoPE.
+
+M-RoPE: each position has (t, h, w) ids (mrope_positions: an image's tokens on its merged grid,
+text counting on from the largest id before it + 1) and the rope's frequencies rotate in runs
+of `mrope_section` by t, h and w in turn (decoder.Rope.sections, BatchInput.rope_positions);
+text alone has t = h = w = its index, plain rope.
 
 As transformers' modeling_qwen2_5_vl.py computes an image's features, from the patches the
 image processor flattened merge window by merge window (model/images.py):
@@ -24,7 +28,7 @@ import torch.nn.functional as F
 
 from gapless.kernels import Linear
 from gapless.model.config import check_activation
-from gapless.model.decoder import RMSNorm
+from gapless.model.decoder import Decoder, RMSNorm
 from gapless.model.families.common import Shapes, linear_shapes
 from gapless.model.images import PreparedImage
 
@@ -34,6 +38,26 @@ if TYPE_CHECKING:
 ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)
 VISUAL = "visual."
 NORM_EPS = 1e-6  # transformers' blocks and merger fix it
+
+
+def text_config(raw: dict) -> dict:
+    """The language model's config.json keys, for Qwen2's layers: transformers 5 nests them in
+    text_config, 4.x kept them at the top; the rope without its M-RoPE sections."""
+    text = dict(raw.get("text_config") or raw)
+    rope = dict(text.pop("rope_parameters", None) or text.pop("rope_scaling", None) or {})
+    theta = rope.get("rope_theta", text.get("rope_theta", 1_000_000.0))
+    tied = raw.get("tie_word_embeddings") or text.get("tie_word_embeddings")
+    return text | {
+        "architectures": ["Qwen2ForCausalLM"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "tie_word_embeddings": bool(tied),
+    }
+
+
+def mrope_section(raw: dict) -> tuple[int, ...]:
+    text = raw.get("text_config") or raw
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    return tuple(rope.get("mrope_section", (16, 24, 24)))
 
 
 @dataclass(frozen=True)
@@ -50,6 +74,7 @@ class QwenVisionConfig:
     text_hidden: int
     rope_theta: float
     image_token_id: int
+    mrope_section: tuple[int, ...]  # the language model's
 
     @property
     def head_dim(self) -> int:
@@ -72,6 +97,7 @@ def config(raw: dict, text_hidden: int) -> QwenVisionConfig:
         text_hidden=v.get("out_hidden_size", text_hidden),
         rope_theta=(v.get("rope_parameters") or {}).get("rope_theta", 10000.0),
         image_token_id=raw.get("image_token_id", 151655),
+        mrope_section=mrope_section(raw),
     )
 
 
@@ -225,6 +251,12 @@ def build(cfg: QwenVisionConfig, w: Weights) -> QwenVision:
         inv_freq=inv_freq.to(w.device),
         dtype=w.kernels.dtype,
     )
+
+
+def adapt_decoder(cfg: QwenVisionConfig, decoder: Decoder) -> None:
+    """Qwen2's layers share one rope: it rotates by M-RoPE."""
+    for layer in decoder.layers:
+        layer.rope.sections = cfg.mrope_section  # type: ignore[attr-defined]
 
 
 def mrope_positions(
