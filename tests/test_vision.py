@@ -7,6 +7,7 @@ forward, whole and in 16-token chunks that cut the regions.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -188,7 +189,11 @@ def make_qwen2_5_vl(out: Path) -> Path:
     config = tf.Qwen2_5_VLConfig(
         text_config={
             **TEXT,
-            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3]},
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 50_000.0,  # not the default: a config read wrong shows
+                "mrope_section": [2, 3, 3],
+            },
         },
         vision_config={
             "depth": 3,
@@ -346,24 +351,49 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_checkpoint_layouts_load_alike(vlm, tmp_path: Path, layout: str) -> None:
+def relayout(path: Path, out: Path, prefixes: tuple[tuple[str, str], ...]) -> Path:
+    """A copy of the checkpoint with its tensors' name prefixes replaced."""
     from safetensors.torch import load_file, save_file
 
-    path = vlm("llava-clip")
     for file in ("config.json", "preprocessor_config.json"):
-        (tmp_path / file).write_bytes((path / file).read_bytes())
+        (out / file).write_bytes((path / file).read_bytes())
     renamed = {}
     for name, tensor in load_file(path / "model.safetensors").items():
-        old, new = next(((o, n) for o, n in LAYOUTS[layout] if name.startswith(o)), ("", ""))
+        old, new = next(((o, n) for o, n in prefixes if name.startswith(o)), ("", ""))
         renamed[new + name.removeprefix(old)] = tensor
-    save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    image = IMAGES[0]
-    ours, moved = load_vision_language(path, "float32"), load_vision_language(tmp_path, "float32")
-    ids = image_prompt(ours, [image])
-    want = run_prompt(ours, ids, media_regions(ours, ids, [image]), [len(ids)])
-    got = run_prompt(moved, ids, media_regions(moved, ids, [image]), [len(ids)])
-    assert torch.equal(got, want)
+    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def same_logits(a: Path, b: Path) -> bool:
+    image = IMAGES[1]
+    one, two = load_vision_language(a, "float32"), load_vision_language(b, "float32")
+    ids = image_prompt(one, [image])
+    positions = rope_positions(one, ids, [image])
+    want = run_prompt(one, ids, media_regions(one, ids, [image]), [len(ids)], positions)
+    got = run_prompt(two, ids, media_regions(two, ids, [image]), [len(ids)], positions)
+    return torch.equal(got, want)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_checkpoint_layouts_load_alike(vlm, tmp_path: Path, layout: str) -> None:
+    path = vlm("llava-clip")
+    assert same_logits(path, relayout(path, tmp_path, LAYOUTS[layout]))
+
+
+def test_qwen2_5_vl_hub_config_loads_alike(vlm, tmp_path: Path) -> None:
+    """As the Hub's Qwen2.5-VL checkpoints are: the text keys at the top, M-RoPE in rope_scaling
+    as type mrope, and (saved by 4.52 on) the language model under model.language_model."""
+    path = vlm("qwen2_5_vl")
+    prefixes = (("model.", "model.language_model."), ("visual.", "model.visual."))
+    out = relayout(path, tmp_path, prefixes)
+    config = json.loads((path / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = text | config | {"rope_theta": rope["rope_theta"], "use_sliding_window": False}
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    (out / "config.json").write_text(json.dumps(flat))
+    assert same_logits(path, out)
 
 
 def test_gemma3_bidirectional_image_attention_is_what_differs(vlm) -> None:
