@@ -2,11 +2,15 @@
 and the K-quant types (256 values a block). Dequantize equals the `gguf` package's to the
 bit; the decode product (gemv, against activations quantized as ggml does for the type's
 block size: Q8_0 per 32, Q8_K per 256) equals F.linear on those activations up to float32
-rounding; the prompt-chunk product (mm) equals F.linear on the dequantized weight. Each
-case runs on every build this CPU can run: native (AVX-512 VNNI here), AVX2 only, and the
-portable one with no ISA flags."""
+rounding; the prompt-chunk product (mm) equals F.linear on the dequantized weight. Rows
+interleaved by 16 (Q4_0, Q4_1, Q8_0) give the same products as the file's layout. The
+step's small ops in the same build (RMSNorm, rope, the KV-cache write) equal the torch ops
+they replace. Each case runs on every build this CPU can run: native (AVX-512 VNNI here),
+AVX2 only, and the portable one with no ISA flags."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -15,8 +19,10 @@ import torch
 import torch.nn.functional as F
 from gguf_files import random_blocks
 
-from gapless.kernels import blocks
+from gapless.kernels import blocks, probe, step_ops
+from gapless.kernels.linear import BlockLinear
 from gapless.kernels.probe import machine
+from gapless.kernels.quant import BlockQuant
 
 TYPES = {
     2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL",
@@ -195,3 +201,136 @@ def test_the_wrappers_run_the_native_build(qtype):
     want = F.linear(act_quantized(x, qtype), w)
     assert_close_to_sums(blocks.gemv(x, b, qtype), want, x, w, 1e-5)
     assert_close_to_sums(blocks.mm(x, b, qtype), F.linear(x, w), x, w, 1e-5)
+
+
+INTERLEAVED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+
+
+@pytest.mark.parametrize("qtype", INTERLEAVED, ids=INTERLEAVED.values())
+def test_interleaved_rows_hold_the_same_weight(ext, qtype):
+    # Rows interleaved by 16 (csrc/gguf_blocks.h): the same bytes permuted, which every
+    # product and dequantize reads as the weight they were.
+    b = weight(qtype, 48, 1056)
+    w = reference(b, qtype, 1056)
+    inter = ext.interleave(b, qtype, 1056)
+    assert inter.shape == b.shape and not torch.equal(inter, b)
+    assert torch.equal(inter.flatten().sort().values, b.flatten().sort().values)
+    assert torch.equal(ext.dequantize(inter, qtype, 1056, torch.float32, True), w)
+    assert torch.equal(ext.dequantize(inter, qtype, 1056, torch.bfloat16, True), w.bfloat16())
+    x = torch.randn(40, 1056, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(ext.mm(x, inter, qtype, True), ext.mm(x, b, qtype))
+
+
+@pytest.mark.parametrize("qtype", INTERLEAVED, ids=INTERLEAVED.values())
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize("k", [96, 1056])
+def test_gemv_on_interleaved_rows_equals_linear_on_8_bit_activations(ext, qtype, m, k):
+    b = weight(qtype, 208, k, seed=m)
+    w = reference(b, qtype, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[-1, 32:64] = 0  # a block of zeros
+    got = ext.gemv(x, ext.interleave(b, qtype, k), qtype, True)
+    # The same integer sums as the file's layout, each block's scaled in one float step per
+    # row (sums in another order than the per-row dot): float32 rounding, as there.
+    want = F.linear(act_q8(x).double(), w.double())
+    assert_close_to_sums(got, want, x, w, GEMV_REL[32])
+
+
+def test_only_whole_groups_of_the_interleaved_types_interleave(ext):
+    assert [t for t in TYPES if ext.can_interleave(t)] == list(INTERLEAVED)
+    with pytest.raises(RuntimeError, match="Q4_0 blocks cannot be interleaved"):
+        ext.interleave(weight(2, 40, 64), 2, 64)  # 40 rows: not whole groups of 16
+    with pytest.raises(RuntimeError, match="Q5_0 blocks cannot be interleaved"):
+        ext.interleave(weight(6, 32, 64), 6, 64)
+
+
+def test_an_interleaved_weight_only_multiplies():
+    if blocks.extension() is None:
+        pytest.skip("our block kernels cannot be built here (no compiler or Python headers)")
+    w = BlockQuant(weight(3, 32, 64), 3, 64)
+    linear = BlockLinear(w)
+    assert linear.weight.interleaved and torch.equal(linear.weight.dequantize(), w.dequantize())
+    assert not BlockLinear(w, interleave=False).weight.interleaved
+    assert not BlockLinear(BlockQuant(weight(3, 40, 64), 3, 64)).weight.interleaved
+    x = torch.randn(3, 64)
+    assert_close_to_sums(linear(x), blocks.gemv(x, w.blocks, 3), x, w.dequantize(), 1e-5)
+    for use in (
+        lambda q: q.rows(torch.tensor([0])),
+        lambda q: q.map_rows(lambda t: t),
+        lambda q: q.column_slice(slice(0, 32)),
+        lambda q: BlockQuant.cat([q, q]),
+    ):
+        with pytest.raises(ValueError, match="read by our decode kernels only"):
+            use(linear.weight)
+
+
+# The step's small ops (kernels/step_ops.py) against the torch ops they replace.
+STEP_DTYPES = {torch.float32: 1e-6, torch.bfloat16: 2**-7}  # relative: float32 sums; 1 bf16 ulp
+
+
+def assert_within(got, want, rel):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = (got.double() - want.double()).abs()
+    assert (err <= rel * want.double().abs() + 1e-6).all(), err.max().item()
+
+
+@pytest.mark.parametrize("dtype", STEP_DTYPES, ids=str)
+def test_rms_norm_equals_torchs(ext, dtype):
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(5, 200, generator=gen).to(dtype)  # 200: not a multiple of 16
+    heads = torch.randn(3, 7, 64, generator=gen).to(dtype)[:, 2:6]  # q heads of a qkv row
+    w200, w64 = (torch.randn(n, generator=gen).to(dtype) for n in (200, 64))
+    for x, w in ((rows, w200), (heads, w64)):
+        assert_within(ext.rms_norm(x, w, 1e-5), F.rms_norm(x, w.shape, w, 1e-5), STEP_DTYPES[dtype])
+
+
+@pytest.mark.parametrize("dtype", STEP_DTYPES, ids=str)
+@pytest.mark.parametrize("rotary", [64, 32], ids=["full", "partial"])
+def test_rope_equals_the_torch_ops(ext, dtype, rotary, monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(3, 9 * 64, generator=gen).to(dtype)
+    qk = qkv[:, : 6 * 64].view(3, 6, 64)  # a view into the fused projection, as the layers have
+    angles = torch.randn(3, 1, rotary // 2, generator=gen)
+    cos = angles.cos().repeat(1, 1, 2).to(dtype)
+    signed_sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+    monkeypatch.setenv("GAPLESS_KERNELS", "fallback")  # the torch path of the wrapper
+    want = step_ops.apply_rope(qk, cos, signed_sin)
+    assert_within(ext.rope(qk, cos, signed_sin), want, STEP_DTYPES[dtype])
+
+
+@pytest.mark.parametrize("cache_dtype", STEP_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", STEP_DTYPES, ids=str)
+def test_write_kv_writes_the_slots_cast_to_the_caches_dtype(ext, dtype, cache_dtype):
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(3, 4, 32, generator=gen).to(dtype)
+    k, v = kv[:, :2], kv[:, 2:]  # views with a row stride, as the layers' k and v
+    k_cache, v_cache = (torch.zeros(3, 4, 2, 32, dtype=cache_dtype) for _ in range(2))
+    slots = torch.tensor([9, 0, 4])
+    got_k, got_v = ext.write_kv(k, v, k_cache, v_cache, slots)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want_k.flatten(0, 1).index_copy_(0, slots, k.to(cache_dtype))
+    want_v.flatten(0, 1).index_copy_(0, slots, v.to(cache_dtype))
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.equal(got_k, k.to(cache_dtype)) and torch.equal(got_v, v.to(cache_dtype))
+    with pytest.raises(RuntimeError, match="slot 12 is outside the cache"):
+        ext.write_kv(k, v, k_cache, v_cache, torch.tensor([9, 12, 0]))
+
+
+def test_step_ops_take_decode_rows_on_our_kernels_and_chunks_on_torchs(monkeypatch):
+    if not probe.step_ops_work():
+        pytest.skip("our step ops cannot be built here (no compiler or Python headers)")
+    calls = []
+    ext = blocks.extension()
+    monkeypatch.setattr(blocks, "extension", lambda: SimpleNamespace(rms_norm=ours))
+
+    def ours(*args):
+        calls.append(args[0].shape[0])
+        return ext.rms_norm(*args)
+
+    w = torch.ones(64)
+    for rows in (1, 16, 17):
+        step_ops.rms_norm(torch.randn(rows, 64), w, 1e-6)
+    step_ops.rms_norm(torch.randn(4, 64).double(), w.double(), 1e-6)  # a dtype it lacks
+    monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
+    step_ops.rms_norm(torch.randn(4, 64), w, 1e-6)
+    assert calls == [1, 16]

@@ -24,6 +24,7 @@ from gapless.kernels.linear import (
     NarrowLinear,
     PackedLinear,
     PlainLinear,
+    as_dtype,
 )
 from gapless.kernels.plans import AttentionLayout, AttentionPlan, KVCache, Planner, Span
 from gapless.kernels.probe import (
@@ -107,8 +108,9 @@ class Kernels:
         """The vocabulary projection. GGUF blocks, and a dense one in a run with reduced_dtype,
         are read narrow and their best logits made exact (see NarrowLinear): every decode step
         reads all of it, and in float32 it took a quarter of the default model's step."""
-        if isinstance(weight, BlockQuant):
-            return NarrowLinear(weight, self.linear(weight), None)
+        if isinstance(weight, BlockQuant):  # its rows stay gatherable: often the embeddings'
+            narrow = BlockLinear(weight, None, self.int_kernel_max_rows, self.reduced_dtype, False)
+            return NarrowLinear(weight, narrow, None)
         if self.reduced_dtype is None or isinstance(weight, GroupQuant):
             return self.linear(weight)
         narrow = self.linear(weight.to(self.reduced_dtype))
@@ -142,13 +144,13 @@ class Kernels:
         window, each part as its plan says; softcap: its scores soft-capped (plans.py).
         Returns [T, H * D] in q's dtype."""
         run_dtype = q.dtype
-        q = q.to(kv_cache[0].dtype)
+        q = as_dtype(q, kv_cache[0].dtype)
         if len(plans) == 1:
-            return plans[0].attend(q, k, v, kv_cache, window, softcap).to(run_dtype)
+            return as_dtype(plans[0].attend(q, k, v, kv_cache, window, softcap), run_dtype)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for plan in plans:
             out[plan.rows] = plan.attend(q, k, v, kv_cache, window, softcap)
-        return out.to(run_dtype)
+        return as_dtype(out, run_dtype)
 
     def describe(self) -> str:
         m = machine()

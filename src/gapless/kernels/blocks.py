@@ -6,6 +6,7 @@ in every decode step's reads. Here the weight stays in the file's blocks. Decode
 few activation rows) are quantized to 8 bits per block and dotted with the blocks as stored,
 so a step streams the quantized bytes and nothing else; prompt chunks dequantize a tile of
 weight rows at a time into a small buffer and multiply there (never the whole weight).
+The same build holds the step's small ops (step_ops.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from gapless.kernels import build
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "gguf_ops.cpp", CSRC / "gguf_q32.cpp", CSRC / "gguf_kquants.cpp"]
+SOURCES = [CSRC / n for n in ("gguf_ops.cpp", "gguf_q32.cpp", "gguf_kquants.cpp", "step_ops.cpp")]
 # No FMA contraction: dequantize's d * code + m must round as the `gguf` package's numpy.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 
@@ -37,21 +38,42 @@ def supported(qtype: int) -> bool:
     return ext is not None and ext.has_type(qtype)
 
 
+def can_interleave(qtype: int) -> bool:
+    """Whether our kernels (built for this CPU) interleave rows of ggml type `qtype`."""
+    ext = extension()
+    return ext is not None and ext.can_interleave(qtype)
+
+
+def interleave(blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    """Blocks uint8 [R, bytes per row], R a multiple of 16, with their rows interleaved by 16
+    (csrc/gguf_blocks.h): the same bytes permuted, so that a decode product unpacks and
+    scales 16 rows per vector instruction (what llama.cpp calls repacking)."""
+    return extension().interleave(blocks, qtype, cols)  # type: ignore[union-attr]
+
+
 def dequantize(
-    blocks: torch.Tensor, qtype: int, cols: int, dtype: torch.dtype = torch.float32
+    blocks: torch.Tensor,
+    qtype: int,
+    cols: int,
+    dtype: torch.dtype = torch.float32,
+    interleaved: bool = False,
 ) -> torch.Tensor:
-    """Blocks uint8 [R, bytes per row] as [R, cols] float32 or bfloat16, exactly the values
-    the `gguf` package's dequantize gives."""
-    return extension().dequantize(blocks, qtype, cols, dtype)  # type: ignore[union-attr]
+    """Blocks uint8 [R, bytes per row] (interleaved: as `interleave` gives them) as [R, cols]
+    float32 or bfloat16, exactly the values the `gguf` package's dequantize gives."""
+    return extension().dequantize(blocks, qtype, cols, dtype, interleaved)  # type: ignore[union-attr]
 
 
-def gemv(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: int, interleaved: bool = False
+) -> torch.Tensor:
     """x float32 [M, K] times the blocks' [N, K] transposed, in float32 [M, N], for a few
     rows (decode): x quantized to 8 bits per block, integer dots with the blocks."""
-    return extension().gemv(x.contiguous(), blocks, qtype)  # type: ignore[union-attr]
+    return extension().gemv(x, blocks, qtype, interleaved)  # type: ignore[union-attr]
 
 
-def mm(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+def mm(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: int, interleaved: bool = False
+) -> torch.Tensor:
     """x float32 or bfloat16 [M, K] times the blocks' [N, K] transposed, in x's dtype, for
     many rows (prompt chunks): a tile of weight rows dequantized at a time."""
-    return extension().mm(x.contiguous(), blocks, qtype)  # type: ignore[union-attr]
+    return extension().mm(x, blocks, qtype, interleaved)  # type: ignore[union-attr]

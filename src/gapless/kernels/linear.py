@@ -178,6 +178,11 @@ class BlockLinear:
     block and multiplied with the blocks as they are stored: a step reads the file's bytes
     and nothing more. Larger batches (prompt chunks) dequantize one tile of rows at a time
     into `dense_dtype` (None: the activations') and multiply there.
+
+    With `interleave`, the types our kernels interleave (Q4_0, Q4_1, Q8_0) are held with
+    their rows interleaved by 16 instead of the file's layout, in place of it: the same
+    bytes, on which a decode step unpacks and scales 16 rows per vector instruction. Not for
+    a weight shared with another reader (a tied lm_head's embeddings gather rows).
     """
 
     def __init__(
@@ -186,7 +191,11 @@ class BlockLinear:
         bias: torch.Tensor | None = None,
         gemv_max_rows: int = 16,
         dense_dtype: torch.dtype | None = None,
+        interleave: bool = True,
     ) -> None:
+        rows = weight.shape[0]
+        if interleave and rows % 16 == 0 and blocks.can_interleave(weight.qtype):
+            weight = weight.interleave()
         self.weight = weight
         self.bias = bias
         self.gemv_max_rows = gemv_max_rows
@@ -195,10 +204,11 @@ class BlockLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if x.shape[0] <= self.gemv_max_rows:
-            y = blocks.gemv(_as(x, torch.float32), w.blocks, w.qtype)
+            y = blocks.gemv(as_dtype(x, torch.float32), w.blocks, w.qtype, w.interleaved)
         else:
-            y = blocks.mm(_as(x, self.dense_dtype or x.dtype), w.blocks, w.qtype)
-        y = _as(y, x.dtype)
+            dtype = self.dense_dtype or x.dtype
+            y = blocks.mm(as_dtype(x, dtype), w.blocks, w.qtype, w.interleaved)
+        y = as_dtype(y, x.dtype)
         return y if self.bias is None else y + self.bias
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,8 +218,9 @@ class BlockLinear:
         return self(x) * other
 
 
-def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # Not x.to(dtype): even a no-op cast is a dispatch, and a decode step makes ~300 of them.
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype: x itself where it is already, as even a no-op x.to(dtype) is a dispatch
+    (~300 of a decode step were)."""
     return x if x.dtype == dtype else x.to(dtype)
 
 

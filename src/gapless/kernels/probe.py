@@ -175,3 +175,34 @@ def gguf_blocks_work() -> bool:
     return torch.allclose(decode, want[:3], atol=0.1, rtol=0.02) and torch.allclose(
         chunk, want, atol=1e-4, rtol=1e-4
     )
+
+
+@functools.cache
+def step_ops_work() -> bool:
+    """Our step ops (csrc/step_ops.cpp, in the block kernels' build) build here and agree
+    with torch's on a tiny batch: RMSNorm, rope over q and k heads, the KV-cache write."""
+    from gapless.kernels import blocks
+
+    ext = blocks.extension()
+    if ext is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 4, 64, generator=gen), torch.randn(64, generator=gen)
+    angles = torch.randn(3, 1, 32, generator=gen)
+    cos, signed_sin = angles.cos().repeat(1, 1, 2), torch.cat((-angles.sin(), angles.sin()), -1)
+    k_cache, v_cache = torch.zeros(2, 4, 4, 64), torch.zeros(2, 4, 4, 64)
+    slots = torch.tensor([5, 0, 2])
+    try:
+        normed = ext.rms_norm(x, w, 1e-6)
+        rotated = ext.rope(x, cos, signed_sin)
+        ext.write_kv(x, -x, k_cache, v_cache, slots)
+    except RuntimeError:
+        return False
+    swapped = torch.cat((x[..., 32:], x[..., :32]), dim=-1)
+    written = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
+    return (
+        torch.allclose(normed, torch.nn.functional.rms_norm(x, w.shape, w, 1e-6), atol=1e-5)
+        and torch.allclose(rotated, x * cos + swapped * signed_sin, atol=1e-5)
+        and torch.equal(written[0], x)
+        and torch.equal(written[1], -x)
+    )

@@ -58,12 +58,16 @@ class BlockQuant:
     each row is cols / block elements blocks of a fixed size (csrc/gguf_blocks.h). Nothing is
     unpacked: decode steps read these bytes, prompt chunks dequantize tiles of them.
 
-    blocks: uint8 [rows, bytes per row]; qtype: ggml's type number (GGMLQuantizationType).
+    blocks: uint8 [rows, bytes per row]; qtype: ggml's type number (GGMLQuantizationType);
+    interleaved: the rows interleaved by 16 (blocks.interleave), the layout BlockLinear runs
+    decodes fastest on. Such a weight is built for our kernels only, once its rows are final:
+    it neither gathers rows nor moves, cuts or stacks them.
     """
 
     blocks: torch.Tensor
     qtype: int
     cols: int
+    interleaved: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -78,16 +82,33 @@ class BlockQuant:
         return gguf.GGMLQuantizationType(self.qtype).name
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.interleaved:
+            from gapless.kernels import blocks as block_kernels
+
+            return block_kernels.dequantize(self.blocks, self.qtype, self.cols, dtype, True)
         return dequantize_blocks(self.blocks, self.qtype, self.cols, dtype)
+
+    def interleave(self) -> BlockQuant:
+        """The same weight with its rows interleaved (see interleaved)."""
+        from gapless.kernels import blocks as block_kernels
+
+        interleaved = block_kernels.interleave(self._file_layout(), self.qtype, self.cols)
+        return BlockQuant(interleaved, self.qtype, self.cols, True)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The rows at index (any shape), dequantized: an embedding lookup. [*index, cols]"""
-        flat = dequantize_blocks(self.blocks[index.flatten()], self.qtype, self.cols, dtype)
+        blocks = self._file_layout()[index.flatten()]
+        flat = dequantize_blocks(blocks, self.qtype, self.cols, dtype)
         return flat.view(*index.shape, self.cols)
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockQuant:
         """The same rows moved (permuted, sliced, moved to a device) by fn."""
-        return BlockQuant(fn(self.blocks), self.qtype, self.cols)
+        return BlockQuant(fn(self._file_layout()), self.qtype, self.cols)
+
+    def _file_layout(self) -> torch.Tensor:
+        if self.interleaved:
+            raise ValueError("interleaved blocks are read by our decode kernels only")
+        return self.blocks
 
     def column_slice(self, columns: slice) -> BlockQuant:
         """Columns start..stop, which must fall on block boundaries: whole blocks are cut."""
@@ -96,7 +117,7 @@ class BlockQuant:
         if start % n or stop % n:
             raise ValueError(f"columns {start}:{stop} cut {self.type_name} blocks of {n}")
         size = self.blocks.shape[1] // (self.cols // n)
-        cut = self.blocks[:, start // n * size : stop // n * size].contiguous()
+        cut = self._file_layout()[:, start // n * size : stop // n * size].contiguous()
         return BlockQuant(cut, self.qtype, stop - start)
 
     @staticmethod
@@ -104,7 +125,8 @@ class BlockQuant:
         """The weights stacked by rows; all of one type."""
         if len({(p.qtype, p.cols) for p in parts}) > 1:
             raise ValueError("stacking weights of different block types or widths")
-        return BlockQuant(torch.cat([p.blocks for p in parts]), parts[0].qtype, parts[0].cols)
+        stacked = torch.cat([p._file_layout() for p in parts])
+        return BlockQuant(stacked, parts[0].qtype, parts[0].cols)
 
 
 def dequantize_blocks(

@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from gapless.kernels import AttentionPlan, Kernels, Linear
 from gapless.kernels.plans import KVCache
 from gapless.kernels.quant import BlockQuant
+from gapless.kernels.step_ops import apply_rope as apply_rope  # the families' seam
+from gapless.kernels.step_ops import rms_norm, write_kv
 from gapless.model.config import ModelConfig
 from gapless.model.parallel import TensorParallel
 
@@ -42,11 +44,6 @@ class BatchInput:
     # M-RoPE's (t, h, w) positions [3, T] (Qwen2.5-VL: an image's tokens on its grid);
     # None: positions on all three.
     rope_positions: torch.Tensor | None = None
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Accumulates in float32 like the reference; fewer dispatches than spelling it out.
-    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 @dataclass
@@ -93,17 +90,6 @@ class Rope:
     long_inv_freq: torch.Tensor | None = None
     long_from: int = 0
     sections: tuple[int, ...] | None = None
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotates pairs (i, i + R/2) of the first R = cos.shape[-1] dims (all of them but in a
-    partial rotary embedding). signed_sin is sin with its first half negated, so the
-    rotation is x * cos + swap_halves(x) * signed_sin: three ops instead of six."""
-    if (rotary := cos.shape[-1]) < x.shape[-1]:
-        return torch.cat((apply_rope(x[..., :rotary], cos, signed_sin), x[..., rotary:]), dim=-1)
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 def _unchanged(x: torch.Tensor) -> torch.Tensor:
@@ -156,10 +142,7 @@ class Step:
         then attends the queries q [T, H, D] (scaled by D ** -0.5) over it, within window;
         softcap: scores become softcap * tanh(scores / softcap) (Gemma 2).
         Returns [T, H * D]."""
-        k_cache, v_cache = kv_cache
-        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-        k_cache.flatten(0, 1).index_copy_(0, self.batch.write_slots, k)
-        v_cache.flatten(0, 1).index_copy_(0, self.batch.write_slots, v)
+        k, v = write_kv(k, v, *kv_cache, self.batch.write_slots)
         return self.kernels.attention(q, k, v, kv_cache, self.batch.attention, window, softcap)
 
 

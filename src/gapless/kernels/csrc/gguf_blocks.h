@@ -59,7 +59,24 @@ struct BlockType {
   // weight block once for several rows spares decode batches most of their unpacking.
   void (*dot_rows)(const uint8_t* row, const void* act, int64_t act_row_bytes, int64_t m,
                    float* out, int64_t out_stride, int64_t nblocks) = nullptr;
+  // Where > 0, the type's rows can be interleaved (below): its blocks end in this many code
+  // bytes, after 2-byte fields (d, and m where it has one).
+  int64_t code_bytes = 0;
+  // Optional (nullptr: gemv unpacks each group and takes dot_rows): the dots of one group of
+  // kGroupRows interleaved rows with m activation rows, row r of the group and activation
+  // row i into out[i * out_stride + r].
+  void (*dot_group)(const uint8_t* group, const void* act, int64_t act_row_bytes, int64_t m,
+                    float* out, int64_t out_stride, int64_t nblocks) = nullptr;
 };
+
+// Interleaved rows, the layout decode reads fastest (what llama.cpp calls repacking): rows in
+// groups of kGroupRows, and per group and block column the group's blocks rearranged so that
+// one 512-bit vector holds the same four code bytes of every row, each row's in its own lane:
+//   each 2-byte field (d, then m) of the group's rows in turn, kGroupRows * 2 bytes a field;
+//   then for c = 0, 1, ...: code bytes 4c .. 4c + 3 of each row in turn, 4 * kGroupRows bytes.
+// A dot then unpacks and scales 16 rows per instruction, and sums no lanes. The same bytes as
+// the file's, permuted (interleave_group / deinterleave_group, gguf_ops.cpp).
+constexpr int64_t kGroupRows = 16;
 
 // The 32-element types (gguf_q32.cpp) and the K-quant types (gguf_kquants.cpp): the type's
 // entry, or nullptr where that file does not have it.

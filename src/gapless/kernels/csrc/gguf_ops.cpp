@@ -67,35 +67,105 @@ void to_bf16(const float* src, uint16_t* dst, int64_t n) {
   for (; j < n; ++j) dst[j] = c10::BFloat16(src[j]).x;
 }
 
-// Rows r0..r1 of the blocks as floats (or bf16) at out, `cols` a row; `scratch` holds a row.
-void dequantize_rows(const gg::BlockType& t, const uint8_t* blocks, int64_t r0, int64_t r1,
-                     int64_t cols, at::ScalarType dtype, void* out, float* scratch) {
-  const int64_t nblocks = cols / t.block_elems, row_bytes = nblocks * t.block_bytes;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = blocks + r * row_bytes;
-    if (dtype == at::kFloat) {
-      t.dequantize(row, static_cast<float*>(out) + (r - r0) * cols, nblocks);
-    } else {
-      t.dequantize(row, scratch, nblocks);
-      to_bf16(scratch, static_cast<uint16_t*>(out) + (r - r0) * cols, cols);
+// A weight's blocks: rows of row_bytes, in the file's layout or interleaved (gguf_blocks.h).
+struct Weight {
+  const gg::BlockType& t;
+  int64_t nblocks;  // before data: its check says what is wrong with the blocks
+  const uint8_t* data;
+  int64_t row_bytes;
+  bool interleaved;
+
+  Weight(const gg::BlockType& type, const at::Tensor& blocks, int64_t cols, bool interleaved)
+      : t(type),
+        nblocks(check_blocks(blocks, type, cols)),
+        data(blocks.data_ptr<uint8_t>()),
+        row_bytes(blocks.size(1)),
+        interleaved(interleaved) {
+    TORCH_CHECK(!interleaved || (t.code_bytes > 0 && blocks.size(0) % gg::kGroupRows == 0),
+                t.name, " blocks cannot be interleaved (or not in ", blocks.size(0), " rows)");
+  }
+
+  // Rows r .. r + kGroupRows - 1 (r a multiple of it where interleaved), in the file's
+  // layout: where they lie, or unpacked into scratch.
+  const uint8_t* group(int64_t r, std::vector<uint8_t>& scratch) const {
+    if (!interleaved) return data + r * row_bytes;
+    scratch.resize(gg::kGroupRows * row_bytes);
+    permute_group<false>(t, const_cast<uint8_t*>(data) + r * row_bytes, scratch.data(),
+                         row_bytes, nblocks);
+    return scratch.data();
+  }
+
+  // The group's rows, from the file's layout at `rows` into the interleaved one at `group`
+  // (kToGroup), or back.
+  template <bool kToGroup>
+  static void permute_group(const gg::BlockType& t, uint8_t* group, uint8_t* rows,
+                            int64_t row_bytes, int64_t nblocks) {
+    const int64_t g = gg::kGroupRows, fields = t.block_bytes - t.code_bytes;
+    const auto move = [](uint8_t* in_group, uint8_t* in_rows, size_t n) {
+      if constexpr (kToGroup)
+        std::memcpy(in_group, in_rows, n);
+      else
+        std::memcpy(in_rows, in_group, n);
+    };
+    for (int64_t b = 0; b < nblocks; ++b) {
+      uint8_t* dst = group + b * g * t.block_bytes;
+      for (int64_t r = 0; r < g; ++r) {
+        uint8_t* block = rows + r * row_bytes + b * t.block_bytes;
+        for (int64_t i = 0; i < fields; i += 2) move(dst + i * g + 2 * r, block + i, 2);
+        for (int64_t i = 0; i < t.code_bytes; i += 4)
+          move(dst + (fields + i) * g + 4 * r, block + fields + i, 4);
+      }
+    }
+  }
+};
+
+// Rows r0..r1 of the weight as floats (or bf16) at out, `cols` a row; `scratch` holds a row
+// of floats, `bytes` a group of rows. Interleaved: r0 and r1 multiples of kGroupRows.
+void dequantize_rows(const Weight& w, int64_t r0, int64_t r1, int64_t cols, at::ScalarType dtype,
+                     void* out, float* scratch, std::vector<uint8_t>& bytes) {
+  for (int64_t g = r0; g < r1; g += gg::kGroupRows) {
+    const uint8_t* rows = w.group(g, bytes);
+    for (int64_t r = g; r < std::min(r1, g + gg::kGroupRows); ++r) {
+      const uint8_t* row = rows + (r - g) * w.row_bytes;
+      if (dtype == at::kFloat) {
+        w.t.dequantize(row, static_cast<float*>(out) + (r - r0) * cols, w.nblocks);
+      } else {
+        w.t.dequantize(row, scratch, w.nblocks);
+        to_bf16(scratch, static_cast<uint16_t*>(out) + (r - r0) * cols, cols);
+      }
     }
   }
 }
 
-at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t cols,
-                      at::ScalarType dtype) {
-  const gg::BlockType& t = block_type(qtype);
-  check_blocks(blocks, t, cols);
+at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t cols, at::ScalarType dtype,
+                      bool interleaved) {
+  const Weight w(block_type(qtype), blocks, cols, interleaved);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "dequantize gives float32 or bfloat16");
-  const int64_t rows = blocks.size(0);
+  const int64_t rows = blocks.size(0), groups = (rows + gg::kGroupRows - 1) / gg::kGroupRows;
   at::Tensor out = at::empty({rows, cols}, at::TensorOptions().dtype(dtype));
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
   const size_t elem = out.element_size();
   char* dst = static_cast<char*>(out.data_ptr());
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     std::vector<float> scratch(cols);
-    dequantize_rows(t, src, r0, r1, cols, dtype, dst + r0 * cols * elem, scratch.data());
+    std::vector<uint8_t> bytes;
+    const int64_t r0 = g0 * gg::kGroupRows, r1 = std::min(rows, g1 * gg::kGroupRows);
+    dequantize_rows(w, r0, r1, cols, dtype, dst + r0 * cols * elem, scratch.data(), bytes);
+  });
+  return out;
+}
+
+// The blocks [R, row bytes] in the interleaved layout: the same bytes, permuted.
+at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, int64_t cols) {
+  const Weight w(block_type(qtype), blocks, cols, true);  // checks that the type and rows can
+  at::Tensor out = at::empty_like(blocks);
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, blocks.size(0) / gg::kGroupRows, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t offset = g * gg::kGroupRows * w.row_bytes;
+      Weight::permute_group<true>(w.t, dst + offset, const_cast<uint8_t*>(w.data) + offset,
+                                  w.row_bytes, w.nblocks);
+    }
   });
   return out;
 }
@@ -120,40 +190,56 @@ std::vector<uint8_t> quantize_acts(const gg::BlockType& t, const at::Tensor& x,
   return acts;
 }
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
-  const gg::BlockType& t = block_type(qtype);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "gemv takes contiguous float32 activations [M, K]");
-  const int64_t nblocks = check_blocks(blocks, t, x.size(1));
-  const int64_t m = x.size(0), n = blocks.size(0), row_bytes = blocks.size(1);
+at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype,
+                bool interleaved) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
+              "gemv takes float32 activations [M, K]");
+  const at::Tensor x = x_in.contiguous();  // here, not in Python: a dispatch less a call
+  const Weight w(block_type(qtype), blocks, x.size(1), interleaved);
+  const gg::BlockType& t = w.t;
+  const int64_t m = x.size(0), n = blocks.size(0), nblocks = w.nblocks;
   int64_t act_row_bytes;
   const std::vector<uint8_t> acts = quantize_acts(t, x, &act_row_bytes);
   at::Tensor out = at::empty({m, n}, x.options());
   float* y = out.data_ptr<float>();
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
   // Each weight row is read from memory once and dotted with every activation row while it
   // sits in L1. A grain of 16 rows still splits the narrowest layers over the threads.
-  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = n0; r < n1; ++r) {
-      const uint8_t* row = w + r * row_bytes;
-      if (t.dot_rows != nullptr && m > 1) {
-        t.dot_rows(row, acts.data(), act_row_bytes, m, y + r, n, nblocks);
-      } else {
-        for (int64_t i = 0; i < m; ++i)
-          y[i * n + r] = t.dot(row, acts.data() + i * act_row_bytes, nblocks);
+  const auto dot_row = [&](const uint8_t* row, int64_t r) {
+    if (t.dot_rows != nullptr && m > 1) {
+      t.dot_rows(row, acts.data(), act_row_bytes, m, y + r, n, nblocks);
+    } else {
+      for (int64_t i = 0; i < m; ++i)
+        y[i * n + r] = t.dot(row, acts.data() + i * act_row_bytes, nblocks);
+    }
+  };
+  if (!interleaved) {
+    at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t r = n0; r < n1; ++r) dot_row(w.data + r * w.row_bytes, r);
+    });
+    return out;
+  }
+  at::parallel_for(0, n / gg::kGroupRows, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> bytes;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t r0 = g * gg::kGroupRows;
+      if (t.dot_group != nullptr) {
+        t.dot_group(w.data + r0 * w.row_bytes, acts.data(), act_row_bytes, m, y + r0, n, nblocks);
+      } else {  // the portable build: each group unpacked, its rows dotted as they are
+        const uint8_t* rows = w.group(r0, bytes);
+        for (int64_t r = 0; r < gg::kGroupRows; ++r) dot_row(rows + r * w.row_bytes, r0 + r);
       }
     }
   });
   return out;
 }
 
-at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
-  const gg::BlockType& t = block_type(qtype);
-  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
-                  x.dim() == 2 && x.is_contiguous(),
-              "mm takes contiguous float32 or bfloat16 activations [M, K]");
+at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, bool interleaved) {
+  TORCH_CHECK((x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) &&
+                  x_in.dim() == 2,
+              "mm takes float32 or bfloat16 activations [M, K]");
+  const at::Tensor x = x_in.contiguous();
   const int64_t k = x.size(1);
-  check_blocks(blocks, t, k);
+  const Weight w(block_type(qtype), blocks, k, interleaved);
   const int64_t n = blocks.size(0);
   // Each thread takes an even share of the rows and walks it in tiles of at most 256 rows
   // (~0.5-2.5 MB of bf16): it dequantizes a tile into its buffer and runs the GEMM there,
@@ -163,7 +249,6 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
   constexpr int64_t kMaxTile = 256, kAlign = 32;
   const int64_t units = (n + kAlign - 1) / kAlign;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   // Worker threads do not inherit the caller's inference mode, and `out` is an inference
   // tensor when the caller runs in one (the decoder's forward): writing it needs it too.
@@ -171,6 +256,7 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
   at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
     c10::InferenceMode guard(inference);
     std::vector<float> scratch(k);
+    std::vector<uint8_t> bytes;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t start = units * p / parts * kAlign;
       const int64_t stop = std::min(n, units * (p + 1) / parts * kAlign);
@@ -180,7 +266,7 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
       at::Tensor buffer = at::empty({std::min(tile, stop - start), k}, x.options());
       for (int64_t r0 = start; r0 < stop; r0 += tile) {
         const int64_t r1 = std::min(stop, r0 + tile);
-        dequantize_rows(t, w, r0, r1, k, x.scalar_type(), buffer.data_ptr(), scratch.data());
+        dequantize_rows(w, r0, r1, k, x.scalar_type(), buffer.data_ptr(), scratch.data(), bytes);
         at::Tensor dst = out.narrow(1, r0, r1 - r0);  // out[:, r0:r1] = x @ tile^T, in place
         at::mm_out(dst, x, buffer.narrow(0, 0, r1 - r0).t());
       }
@@ -191,11 +277,23 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
 
 }  // namespace
 
+void register_step_ops(pybind11::module_& m);  // step_ops.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_type", [](int64_t qtype) {
     return gg::q32_type(qtype) != nullptr || gg::kquant_type(qtype) != nullptr;
   });
-  m.def("dequantize", &dequantize, "GGUF blocks [R, row bytes] to [R, cols] in dtype");
-  m.def("gemv", &gemv, "x float32 [M, K] times GGUF blocks [N, row bytes]^T, via 8-bit x");
-  m.def("mm", &mm, "x [M, K] times GGUF blocks^T, a dequantized tile of rows at a time");
+  m.def("can_interleave", [](int64_t qtype) {
+    const gg::BlockType* t = gg::q32_type(qtype);
+    return t != nullptr && t->code_bytes > 0;
+  });
+  m.def("interleave", &interleave, "GGUF blocks [R, row bytes] with rows interleaved by 16");
+  using pybind11::arg;
+  m.def("dequantize", &dequantize, "GGUF blocks [R, row bytes] to [R, cols] in dtype",
+        arg("blocks"), arg("qtype"), arg("cols"), arg("dtype"), arg("interleaved") = false);
+  m.def("gemv", &gemv, "x float32 [M, K] times GGUF blocks [N, row bytes]^T, via 8-bit x",
+        arg("x"), arg("blocks"), arg("qtype"), arg("interleaved") = false);
+  m.def("mm", &mm, "x [M, K] times GGUF blocks^T, a dequantized tile of rows at a time",
+        arg("x"), arg("blocks"), arg("qtype"), arg("interleaved") = false);
+  register_step_ops(m);
 }

@@ -12,6 +12,7 @@
 // rounds twice as the `gguf` package's numpy does.
 #include "gguf_blocks.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -181,6 +182,7 @@ inline __m256i dot_u8s8(__m256i u, __m256i q) {
 // kCentre, or for kSignedAvx2 types on AVX2 (whose u would overflow maddubs' int16 pairs)
 // as signed bytes.
 struct Q4_0T {
+  static constexpr int64_t kCodeBytes = 16;  // interleaved: see gguf_blocks.h
   static constexpr int64_t kBytes = 18;
   static constexpr int kCentre = 8;
   static constexpr bool kHasMin = false, kSignedAvx2 = false;
@@ -197,6 +199,7 @@ struct Q4_0T {
 };
 
 struct Q4_1T {
+  static constexpr int64_t kCodeBytes = 16;  // interleaved: see gguf_blocks.h
   static constexpr int64_t kBytes = 20;
   static constexpr int kCentre = 0;
   static constexpr bool kHasMin = true, kSignedAvx2 = false;
@@ -209,6 +212,7 @@ struct Q4_1T {
 };
 
 struct Q5_0T {
+  static constexpr int64_t kCodeBytes = 0;  // interleaved: see gguf_blocks.h
   static constexpr int64_t kBytes = 22;
   static constexpr int kCentre = 16;
   static constexpr bool kHasMin = false, kSignedAvx2 = false;
@@ -228,6 +232,7 @@ struct Q5_0T {
 };
 
 struct Q5_1T {
+  static constexpr int64_t kCodeBytes = 0;  // interleaved: see gguf_blocks.h
   static constexpr int64_t kBytes = 24;
   static constexpr int kCentre = 0;
   static constexpr bool kHasMin = true, kSignedAvx2 = false;
@@ -246,6 +251,7 @@ struct Q5_1T {
 };
 
 struct Q8_0T {
+  static constexpr int64_t kCodeBytes = 32;  // interleaved: see gguf_blocks.h
   static constexpr int64_t kBytes = 34;
   static constexpr int kCentre = 128;
   static constexpr bool kHasMin = false, kSignedAvx2 = true;
@@ -261,6 +267,7 @@ struct Q8_0T {
 };
 
 struct Iq4nlT {
+  static constexpr int64_t kCodeBytes = 0;  // interleaved: see gguf_blocks.h
   static constexpr int64_t kBytes = 18;
   static constexpr int kCentre = 128;
   static constexpr bool kHasMin = false, kSignedAvx2 = true;
@@ -456,9 +463,153 @@ void dot_rows(const uint8_t* row, const void* act, int64_t act_row_bytes, int64_
   for (; i < m; ++i) out[i * out_stride] = dot<T>(row, a + i * act_row_bytes, nblocks);
 }
 
+#if defined(__AVX2__)
+// Interleaved groups (gguf_blocks.h) of the types whose codes are 4 or 8 bits, unsigned or
+// centred: Q4_0, Q4_1, Q8_0. Code vector j (of 8) holds, in row r's lane, the row's codes
+// 4j .. 4j + 3 as unsigned bytes u: Q4's nibbles (low ones for j < 4, high for j >= 4),
+// Q8_0's bytes. They meet activation bytes 4j .. 4j + 3, broadcast to every lane.
+template <class T>
+constexpr int64_t kGroupBlockBytes = kGroupRows * T::kBytes;
+
+#if defined(GGUF_VNNI)
+// All 16 rows in one vector. Q8_0's codes are taken unsigned (code + 128), its centre folded
+// out through s like Q4_0's 8: d (dx sum(u q) - centre s), or for Q4_1 d dx sum(u q) + m s.
+template <class T>
+inline void group_codes(const uint8_t* codes, __m512i* u) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  if constexpr (T::kCodeBytes == 16) {
+    for (int c = 0; c < 4; ++c) {
+      const __m512i w = _mm512_loadu_si512(codes + 64 * c);
+      u[c] = _mm512_and_si512(w, low);
+      u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+    }
+  } else {
+    for (int c = 0; c < 8; ++c)
+      u[c] = _mm512_xor_si512(_mm512_loadu_si512(codes + 64 * c),
+                              _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+}
+
+template <class T, int R>
+void dot_group_fixed(const uint8_t* group, const ActQ8* a, int64_t act_stride, float* out,
+                     int64_t out_stride, int64_t nblocks) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* p = group + b * kGroupBlockBytes<T>;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const uint8_t* codes = p + kGroupRows * (T::kBytes - T::kCodeBytes);
+    __m512i u[8];
+    group_codes<T>(codes, u);
+    __m512 mins = _mm512_setzero_ps();
+    if constexpr (T::kHasMin)
+      mins = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * kGroupRows)));
+    for (int r = 0; r < R; ++r) {
+      const ActQ8& x = a[r * act_stride + b];
+      __m512i sums = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        int32_t q4;
+        std::memcpy(&q4, x.q + 4 * j, sizeof q4);
+        sums = _mm512_dpbusd_epi32(sums, u[j], _mm512_set1_epi32(q4));
+      }
+      const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(x.d));
+      if constexpr (T::kHasMin) {
+        acc[r] = _mm512_fmadd_ps(d, dot, _mm512_fmadd_ps(mins, _mm512_set1_ps(x.s), acc[r]));
+      } else {
+        const __m512 centred = _mm512_sub_ps(dot, _mm512_set1_ps(T::kCentre * x.s));
+        acc[r] = _mm512_fmadd_ps(d, centred, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, acc[r]);
+}
+#else
+// Two vectors of 8 rows. Without VNNI, maddubs sums pairs in int16: Q4's u (at most 15)
+// fit, Q8_0's codes go signed (|code| times sign-adjusted q), with no centre.
+template <class T, int R>
+void dot_group_fixed(const uint8_t* group, const ActQ8* a, int64_t act_stride, float* out,
+                     int64_t out_stride, int64_t nblocks) {
+  constexpr int kHalf = kGroupRows / 2;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* p = group + b * kGroupBlockBytes<T>;
+    const uint8_t* codes = p + kGroupRows * (T::kBytes - T::kCodeBytes);
+    for (int h = 0; h < 2; ++h) {
+      const auto f16x8 = [&](int64_t at) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + at)));
+      };
+      const __m256 d = f16x8(2 * kHalf * h);
+      __m256i u[8];
+      if constexpr (T::kCodeBytes == 16) {
+        for (int c = 0; c < 4; ++c) {
+          const __m256i w = load32(codes + 64 * c + 32 * h);
+          u[c] = _mm256_and_si256(w, low);
+          u[c + 4] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        }
+      } else {
+        for (int c = 0; c < 8; ++c) u[c] = load32(codes + 64 * c + 32 * h);
+      }
+      for (int r = 0; r < R; ++r) {
+        const ActQ8& x = a[r * act_stride + b];
+        __m256i sums = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          int32_t q4;
+          std::memcpy(&q4, x.q + 4 * j, sizeof q4);
+          const __m256i q = _mm256_set1_epi32(q4);
+          __m256i pairs;
+          if constexpr (T::kCodeBytes == 16)
+            pairs = _mm256_maddubs_epi16(u[j], q);
+          else
+            pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(u[j]), _mm256_sign_epi8(q, u[j]));
+          sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, ones));
+        }
+        const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.d));
+        if constexpr (T::kHasMin) {
+          const __m256 m = f16x8(2 * kGroupRows + 2 * kHalf * h);
+          acc[r][h] = _mm256_fmadd_ps(d, dot, _mm256_fmadd_ps(m, _mm256_set1_ps(x.s), acc[r][h]));
+        } else if constexpr (T::kCodeBytes == 16) {
+          const __m256 centred = _mm256_sub_ps(dot, _mm256_set1_ps(T::kCentre * x.s));
+          acc[r][h] = _mm256_fmadd_ps(d, centred, acc[r][h]);
+        } else {
+          acc[r][h] = _mm256_fmadd_ps(d, dot, acc[r][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * out_stride + kHalf * h, acc[r][h]);
+}
+#endif
+
+template <class T>
+void dot_group(const uint8_t* group, const void* act, int64_t act_row_bytes, int64_t m,
+               float* out, int64_t out_stride, int64_t nblocks) {
+  const uint8_t* a = static_cast<const uint8_t*>(act);
+  const int64_t stride = act_row_bytes / static_cast<int64_t>(sizeof(ActQ8));
+  for (int64_t i = 0; i < m;) {
+    const auto* x = reinterpret_cast<const ActQ8*>(a + i * act_row_bytes);
+    float* o = out + i * out_stride;
+    switch (std::min<int64_t>(m - i, 4)) {
+      case 4: dot_group_fixed<T, 4>(group, x, stride, o, out_stride, nblocks); i += 4; break;
+      case 3: dot_group_fixed<T, 3>(group, x, stride, o, out_stride, nblocks); i += 3; break;
+      case 2: dot_group_fixed<T, 2>(group, x, stride, o, out_stride, nblocks); i += 2; break;
+      default: dot_group_fixed<T, 1>(group, x, stride, o, out_stride, nblocks); i += 1;
+    }
+  }
+}
+#endif
+
 template <class T>
 constexpr BlockType entry(const char* name) {
-  return {name, 32, T::kBytes, ActFormat::Q8, &dequantize<T>, &dot<T>, &dot_rows<T>};
+  BlockType t{name, 32, T::kBytes, ActFormat::Q8, &dequantize<T>, &dot<T>, &dot_rows<T>};
+  t.code_bytes = T::kCodeBytes;
+#if defined(__AVX2__)
+  if constexpr (T::kCodeBytes > 0) t.dot_group = &dot_group<T>;
+#endif
+  return t;
 }
 
 constexpr BlockType kQ4_0 = entry<Q4_0T>("Q4_0");

@@ -1,0 +1,194 @@
+// The decode step's small ops, each one call where torch takes several dispatches: RMSNorm,
+// the rotary embedding of q and k, and the write of new keys and values into the paged cache
+// (with its cast). A decode step of a small model is mostly such fixed costs; every torch op
+// costs a few microseconds of dispatch however few values it touches. Each computes as the
+// torch ops it replaces do (float32 arithmetic, bf16 results rounded to nearest even), in
+// plain loops the compiler vectorizes: they run on decode rows, a few thousand values each.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T from_float(float x) {
+  return static_cast<T>(x);
+}
+
+// Rows of a tensor whose last dim is contiguous: [rows, cols] or [T, H, cols], any strides.
+struct Rows {
+  int64_t outer, inner, cols, outer_stride, inner_stride;
+
+  explicit Rows(const at::Tensor& x) {
+    TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1,
+                "takes [rows, cols] or [T, H, cols] with contiguous cols");
+    cols = x.size(-1);
+    outer = x.size(0);
+    outer_stride = x.stride(0);
+    inner = x.dim() == 3 ? x.size(1) : 1;
+    inner_stride = x.dim() == 3 ? x.stride(1) : 0;
+  }
+  int64_t offset(int64_t row) const {
+    return row / inner * outer_stride + row % inner * inner_stride;
+  }
+};
+
+void check_float(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              what, " takes float32 or bfloat16 CPU tensors");
+}
+
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const Rows rows(x);
+  const T* src = x.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  const int64_t n = rows.cols;
+  for (int64_t r = 0; r < rows.outer * rows.inner; ++r) {
+    const T* row = src + rows.offset(r);
+    // 16 independent partial sums: the compiler vectorizes them without reassociating.
+    float partial[16] = {};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+      for (int l = 0; l < 16; ++l) {
+        const float v = to_float(row[j + l]);
+        partial[l] += v * v;
+      }
+    float sum = 0.0f;
+    for (; j < n; ++j) sum += to_float(row[j]) * to_float(row[j]);
+    for (float p : partial) sum += p;
+    const float scale = 1.0f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
+    T* y = dst + r * n;
+    // As torch's: x * scale rounded to x's dtype, then times the weight in that dtype.
+    for (int64_t i = 0; i < n; ++i) {
+      const T normed = from_float<T>(to_float(row[i]) * scale);
+      y[i] = from_float<T>(to_float(normed) * to_float(w[i]));
+    }
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_float(x, "rms_norm");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+                  weight.dim() == 1 && weight.size(0) == x.size(-1),
+              "rms_norm's weight must be contiguous [cols], in x's dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows<float>(x, weight, eps, out);
+  else
+    rms_norm_rows<c10::BFloat16>(x, weight, eps, out);
+  return out;
+}
+
+template <typename T>
+void rope_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin,
+               at::Tensor& out) {
+  const Rows rows(x);
+  const int64_t d = rows.cols, rotary = cos.size(-1), half = rotary / 2;
+  const T* src = x.data_ptr<T>();
+  const T* c = cos.data_ptr<T>();
+  const T* s = signed_sin.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  for (int64_t r = 0; r < rows.outer * rows.inner; ++r) {
+    const T* row = src + rows.offset(r);
+    const T* ct = c + r / rows.inner * rotary;
+    const T* st = s + r / rows.inner * rotary;
+    T* y = dst + r * d;
+    // As apply_rope's torch ops: x * cos rounded to x's dtype, plus swapped halves times
+    // the signed sin.
+    for (int64_t i = 0; i < rotary; ++i) {
+      const float swapped = to_float(row[i < half ? i + half : i - half]);
+      const T first = from_float<T>(to_float(row[i]) * to_float(ct[i]));
+      y[i] = from_float<T>(to_float(first) + swapped * to_float(st[i]));
+    }
+    std::memcpy(y + rotary, row + rotary, (d - rotary) * sizeof(T));
+  }
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  check_float(x, "rope");
+  TORCH_CHECK(x.dim() == 3, "rope takes x [T, H, D]");
+  for (const at::Tensor* t : {&cos, &signed_sin})
+    TORCH_CHECK(t->scalar_type() == x.scalar_type() && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == x.size(0) && t->size(1) == 1 && t->size(2) == cos.size(2),
+                "rope's cos and signed sin must be contiguous [T, 1, R], in x's dtype");
+  TORCH_CHECK(cos.size(2) % 2 == 0 && cos.size(2) <= x.size(2),
+              "rope rotates an even number of dims, at most D");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat)
+    rope_rows<float>(x, cos, signed_sin, out);
+  else
+    rope_rows<c10::BFloat16>(x, cos, signed_sin, out);
+  return out;
+}
+
+template <typename S, typename C>
+void write_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots) {
+  const Rows rows(x);
+  const int64_t slot_size = rows.inner * rows.cols;
+  const S* src = x.data_ptr<S>();
+  C* dst = cache.data_ptr<C>();
+  for (int64_t r = 0; r < rows.outer * rows.inner; ++r) {
+    const S* row = src + rows.offset(r);
+    C* y = dst + slots[r / rows.inner] * slot_size + r % rows.inner * rows.cols;
+    if constexpr (std::is_same_v<S, C>) {
+      std::memcpy(y, row, rows.cols * sizeof(C));
+    } else {
+      for (int64_t i = 0; i < rows.cols; ++i) y[i] = from_float<C>(to_float(row[i]));
+    }
+  }
+}
+
+void write_one(const at::Tensor& x, at::Tensor& cache, const int64_t* slots) {
+  const bool float_in = x.scalar_type() == at::kFloat;
+  if (cache.scalar_type() == at::kFloat) {
+    if (float_in)
+      write_rows<float, float>(x, cache, slots);
+    else
+      write_rows<c10::BFloat16, float>(x, cache, slots);
+  } else {
+    if (float_in)
+      write_rows<float, c10::BFloat16>(x, cache, slots);
+    else
+      write_rows<c10::BFloat16, c10::BFloat16>(x, cache, slots);
+  }
+}
+
+// The new keys and values k, v [T, Hkv, D] into the caches [blocks, block_size, Hkv, D] at
+// their slots [T] (block * block_size + offset), cast to the caches' dtype. Returns k and v in
+// that dtype (themselves where it is theirs), as the attention plans take them.
+std::tuple<at::Tensor, at::Tensor> write_kv(const at::Tensor& k, const at::Tensor& v,
+                                            at::Tensor& k_cache, at::Tensor& v_cache,
+                                            const at::Tensor& slots) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
+              "write_kv's slots must be a contiguous int64 [T]");
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (const auto& [x, cache] : {std::pair(&k, &k_cache), std::pair(&v, &v_cache)}) {
+    check_float(*x, "write_kv");
+    check_float(*cache, "write_kv");
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == slots.size(0) && cache->is_contiguous() &&
+                    cache->dim() == 4 && cache->size(2) == x->size(1) &&
+                    cache->size(3) == x->size(2),
+                "write_kv takes [T, Hkv, D] into contiguous caches [blocks, size, Hkv, D]");
+    const int64_t capacity = cache->size(0) * cache->size(1);
+    for (int64_t t = 0; t < slots.size(0); ++t)
+      TORCH_CHECK(s[t] >= 0 && s[t] < capacity, "slot ", s[t], " is outside the cache");
+    write_one(*x, *cache, s);
+  }
+  return {k.to(k_cache.scalar_type()), v.to(v_cache.scalar_type())};
+}
+
+}  // namespace
+
+// Registered by gguf_ops.cpp's module, which is this extension's one.
+void register_step_ops(pybind11::module_& m) {
+  m.def("rms_norm", &rms_norm, "x [rows, cols] or [T, H, cols] RMS-normalized, times weight");
+  m.def("rope", &rope, "x [T, H, D] rotated by cos and signed sin [T, 1, R]");
+  m.def("write_kv", &write_kv, "new keys and values into the paged caches at their slots");
+}

@@ -1,0 +1,78 @@
+"""The small ops of every layer (RMSNorm, the rotary embedding, the KV-cache write): on our
+C++ kernels (csrc/step_ops.cpp, built with the block kernels) for decode batches on the CPU,
+else on torch's ops.
+
+Why: a decode step of a small model is mostly fixed costs. Torch spends a few microseconds
+dispatching each op, however few values it touches, and RMSNorm alone was ~10 ops, rope 3-4,
+the cache write 4 and its casts: ~3,400 dispatches a SmolLM2 step. Ours are one call each.
+Prompt chunks (more than MAX_ROWS rows) keep torch's vectorized, threaded ops, and so do
+CUDA, other dtypes and GAPLESS_KERNELS=fallback.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from gapless.kernels import blocks
+from gapless.kernels.probe import step_ops_work
+
+MAX_ROWS = 16
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _ours(x: torch.Tensor) -> ModuleType | None:
+    """Our kernels, where they take x (checked per call: the fallback switch may change)."""
+    if (
+        x.device.type == "cpu"
+        and x.shape[0] <= MAX_ROWS
+        and x.dtype in DTYPES
+        and os.environ.get("GAPLESS_KERNELS") != "fallback"
+        and step_ops_work()
+    ):
+        return blocks.extension()
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, hidden] or [T, H, D] normalized over its last dim, times weight; accumulates in
+    float32 like the reference."""
+    ext = _ours(x)
+    if ext is not None and x.dim() in (2, 3) and weight.dtype == x.dtype:
+        return ext.rms_norm(x, weight, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotates pairs (i, i + R/2) of the first R = cos.shape[-1] dims of x [T, H, D] (all of
+    them but in a partial rotary embedding). signed_sin is sin with its first half negated,
+    so the rotation is x * cos + swap_halves(x) * signed_sin: three ops instead of six."""
+    ext = _ours(x)
+    if ext is not None and x.dim() == 3 and cos.dtype == x.dtype:
+        return ext.rope(x, cos, signed_sin)
+    if (rotary := cos.shape[-1]) < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, signed_sin), x[..., rotary:]), dim=-1)
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes the new keys and values k, v [T, Hkv, D] into the caches [blocks, block_size,
+    Hkv, D] at slots [T] (block * block_size + offset); returns k, v in the caches' dtype."""
+    ext = _ours(k)
+    if ext is not None and k_cache.dtype in DTYPES and slots.dtype == torch.int64:
+        return ext.write_kv(k, v, k_cache, v_cache, slots)
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k_cache.flatten(0, 1).index_copy_(0, slots, k)
+    v_cache.flatten(0, 1).index_copy_(0, slots, v)
+    return k, v
