@@ -444,3 +444,70 @@ def test_qwen2_5_vl_mrope_positions_equal_transformers(vlm) -> None:
         image_grid_thw=torch.tensor(grids),
     )
     assert qwen2_5_vl.mrope_positions(ids, IMAGE_TOKEN, grids, 2).tolist() == want[:, 0].tolist()
+
+
+# Hub configs save a text_config's keys only where they differ from transformers' defaults,
+# as llava-1.5's and Gemma 3 4B's do; LLaVA with Mistral as llava-v1.6-mistral's would.
+BARE_TEXT_CONFIGS = {
+    "llava-llama": (
+        "LlavaConfig",
+        {"model_type": "llama", "vocab_size": 32064, "max_position_embeddings": 4096},
+    ),
+    "llava-mistral": ("LlavaConfig", {"model_type": "mistral", "vocab_size": 32064}),
+    "gemma3": (
+        "Gemma3Config",
+        {
+            "model_type": "gemma3_text",
+            "hidden_size": 2560,
+            "intermediate_size": 10240,
+            "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BARE_TEXT_CONFIGS)
+def test_bare_text_configs_read_as_transformers_reads_them(name: str) -> None:
+    import transformers as tf
+
+    from gapless.model.config import ModelConfig
+    from gapless.model.vision import vision_family_of
+
+    config_class, text = BARE_TEXT_CONFIGS[name]
+    raw = {"architectures": [config_class.replace("Config", "ForConditionalGeneration")]}
+    raw["text_config"] = text
+    ours = ModelConfig.from_dict(vision_family_of(raw["architectures"][0]).text_config(raw))
+    theirs = getattr(tf, config_class)(text_config=dict(text)).text_config
+    kinds, window = getattr(theirs, "layer_types", None), getattr(theirs, "sliding_window", None)
+    if kinds is None:  # Llama's: no window; Mistral's: its window on every layer
+        kinds = ["sliding_attention"] * theirs.num_hidden_layers
+    windows = tuple(window if kind == "sliding_attention" else None for kind in kinds)
+    rope = theirs.rope_parameters  # Gemma 3's: one per layer type
+    theta = rope.get("full_attention", rope)["rope_theta"]
+    assert (
+        ours.vocab_size,
+        ours.hidden_size,
+        ours.intermediate_size,
+        ours.num_layers,
+        ours.num_heads,
+        ours.num_kv_heads,
+        ours.head_dim,
+        ours.rms_norm_eps,
+        ours.max_position_embeddings,
+        ours.layer_windows,
+        ours.rope_theta,
+    ) == (
+        theirs.vocab_size,
+        theirs.hidden_size,
+        theirs.intermediate_size,
+        theirs.num_hidden_layers,
+        theirs.num_attention_heads,
+        theirs.num_key_value_heads,
+        theirs.head_dim,
+        theirs.rms_norm_eps,
+        theirs.max_position_embeddings,
+        windows,
+        theta,
+    )

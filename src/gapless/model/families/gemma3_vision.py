@@ -42,9 +42,29 @@ class Gemma3VisionConfig:
     tokens_per_image: int
 
 
+# config.json saves text_config's keys only where they differ from transformers' defaults
+# (Gemma3TextConfig's): the Hub's Gemma 3 checkpoints name their sizes and little else.
+TEXT_DEFAULTS = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+
+
 def text_config(raw: dict) -> dict:
     """The language model's config.json keys: our gemma3 family reads them."""
-    text = {"architectures": ["Gemma3ForCausalLM"]} | dict(raw.get("text_config") or {})
+    text = TEXT_DEFAULTS | dict(raw.get("text_config") or {})
     return text | {"tie_word_embeddings": raw.get("tie_word_embeddings", True)}
 
 

@@ -43,6 +43,8 @@ TEXT_DEFAULTS: dict[str, dict] = {
         "num_attention_heads": 32,
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     },
     "mistral": {
         "architectures": ["MistralForCausalLM"],
@@ -55,6 +57,8 @@ TEXT_DEFAULTS: dict[str, dict] = {
         "max_position_embeddings": 131072,
         "rms_norm_eps": 1e-6,
         "sliding_window": 4096,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     },
     "qwen2": {"architectures": ["Qwen2ForCausalLM"]},
     "gemma3_text": {"architectures": ["Gemma3ForCausalLM"]},
