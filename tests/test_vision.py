@@ -100,6 +100,31 @@ def test_preprocessing_equals_transformers_processor(tmp_path: Path, name: str) 
         np.testing.assert_allclose(got.pixels, pixels, rtol=0, atol=1e-6)
 
 
+def test_hub_style_qwen2_vl_config_preprocesses_as_transformers(tmp_path: Path) -> None:
+    """As the Hub's Qwen2.5-VL checkpoints have it: the pixel bounds as min_pixels and
+    max_pixels, no size, resample and rescale left to the defaults."""
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    hub = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "min_pixels": 28 * 28 * 4,
+        "max_pixels": 28 * 28 * 9,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": list(OPENAI_CLIP_MEAN),
+        "image_std": list(OPENAI_CLIP_STD),
+    }
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(hub))
+    reference = type(pil_processor("qwen2_vl")).from_pretrained(tmp_path)
+    ours = ImageProcessor.from_pretrained(tmp_path)
+    for image in IMAGES:
+        want = reference(image, return_tensors="np")
+        got = ours(image)
+        assert got.grid == tuple(want["image_grid_thw"][0])
+        np.testing.assert_allclose(got.pixels, want["pixel_values"], rtol=0, atol=1e-6)
+
+
 # ---- tiny vision-language checkpoints -------------------------------------------------------
 
 TEXT = {

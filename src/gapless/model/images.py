@@ -81,9 +81,11 @@ class ImageProcessor:
         if raw.get("do_pan_and_scan"):
             raise ConfigError("Gemma 3's pan-and-scan is unsupported")
         size = dict(raw.get("size") or {})
-        if kind in PATCHIFY:  # older configs name the bounds min_pixels and max_pixels
-            size.setdefault("shortest_edge", raw.get("min_pixels", 56 * 56))
-            size.setdefault("longest_edge", raw.get("max_pixels", 28 * 28 * 1280))
+        if kind in PATCHIFY:  # the Hub's configs name the bounds min_pixels and max_pixels
+            size = {
+                "shortest_edge": raw.get("min_pixels") or size.get("shortest_edge", 56 * 56),
+                "longest_edge": raw.get("max_pixels") or size.get("longest_edge", 28 * 28 * 1280),
+            }
         crop = raw.get("crop_size") if raw.get("do_center_crop") else None
         normalize = raw.get("do_normalize", True)
         return cls(
