@@ -295,15 +295,11 @@ def rope_positions(model: VisionLanguageModel, ids: list[int], images) -> torch.
     return qwen2_5_vl.mrope_positions(ids, IMAGE_TOKEN, grids, model.encoder.cfg.merge_size)
 
 
-def run_prompt(
-    model: VisionLanguageModel,
-    ids: list[int],
-    regions: list[MediaRegion],
-    sizes: list[int],
-    positions: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Logits of every prompt position, the prompt run in chunks of these sizes; each chunk
-    gets its slice of the regions (and of the M-RoPE positions), as the engine is to give it."""
+def runner_with_images(
+    model: VisionLanguageModel, regions: list[MediaRegion], positions: torch.Tensor | None
+) -> ModelRunner:
+    """A runner whose every forward gives each row of the regions its image embedding, and
+    (Qwen2.5-VL) each row its M-RoPE positions, as the engine is to give them."""
     decoder = model.decoder
 
     def with_regions(batch, kv_cache):
@@ -315,7 +311,18 @@ def run_prompt(
         return type(decoder).forward(decoder, batch, kv_cache)
 
     decoder.forward = with_regions  # type: ignore[method-assign]
-    runner, seq, out = ModelRunner(decoder, 16, 16), Seq(ids, 0), []
+    return ModelRunner(decoder, 16, 16)
+
+
+def run_prompt(
+    model: VisionLanguageModel,
+    ids: list[int],
+    regions: list[MediaRegion],
+    sizes: list[int],
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits of every prompt position, the prompt run in chunks of these sizes."""
+    runner, seq, out = runner_with_images(model, regions, positions), Seq(ids, 0), []
     for n in sizes:
         out.append(runner.execute([seq.chunk(n)], {0})[0])
         seq.req.num_computed += n
@@ -361,6 +368,38 @@ def test_prompt_with_two_images_equals_transformers_whole_and_in_chunks(vlm, nam
     assert any(r.start % 16 and r.end - r.start > 16 - r.start % 16 for r in regions)  # cut
     chunked = run_prompt(ours, ids, regions, [n for n in cuts if n], positions)
     assert (chunked - whole).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_greedy_tokens_after_two_images_equal_transformers(vlm, name: str) -> None:
+    path = vlm(name)
+    hf, hf_processor = hf_vlm(path)
+    ours = load_vision_language(path, "float32")
+    images, n = IMAGES[:2], 8
+    ids = image_prompt(ours, images)
+    with torch.no_grad():
+        inputs = hf_inputs(hf_processor, images, ids)
+        out = hf.generate(
+            torch.tensor([ids]), **inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )
+        want = out[0, len(ids) :].tolist()
+    positions = rope_positions(ours, ids, images)
+    if positions is not None:  # decodes: their index plus the prompt's M-RoPE offset
+        offset = positions.max() + 1 - len(ids)
+        positions = torch.cat(
+            (positions, torch.arange(len(ids), len(ids) + n).expand(3, n) + offset), 1
+        )
+    runner = runner_with_images(ours, media_regions(ours, ids, images), positions)
+    seq = Seq(ids, 0)
+    seq.req.block_table = list(range(16))
+    logits, got = runner.execute([seq.chunk(len(ids))], set())[0], []
+    seq.req.num_computed = len(ids)
+    for _ in range(n):
+        got.append(int(logits[-1].argmax()))
+        seq.req.output_ids.append(got[-1])
+        logits = runner.execute([seq.chunk(1)], set())[0]
+        seq.req.num_computed += 1
+    assert got == want
 
 
 # transformers 5 saves the layout of 4.x without CLIP's and SigLIP's `vision_model.` level;
