@@ -22,11 +22,12 @@ from gapless.model.families import qwen2_5_vl
 from gapless.model.images import ImageProcessor
 from gapless.model.vision import (
     MediaRegion,
+    PromptImages,
     VisionLanguageModel,
     chunk_embeds,
     load_vision_language,
-    media_regions,
     placeholder_starts,
+    prompt_images,
 )
 
 VOCAB = 512
@@ -287,42 +288,27 @@ def hf_inputs(hf_processor, images: list[Image.Image], ids: list[int]) -> dict:
     return inputs
 
 
-def rope_positions(model: VisionLanguageModel, ids: list[int], images) -> torch.Tensor | None:
-    """Qwen2.5-VL's M-RoPE positions of the prompt; None for the others."""
-    if not isinstance(model.encoder, qwen2_5_vl.QwenVision):
-        return None
-    grids = [model.processor(image).grid for image in images]
-    return qwen2_5_vl.mrope_positions(ids, IMAGE_TOKEN, grids, model.encoder.cfg.merge_size)
-
-
-def runner_with_images(
-    model: VisionLanguageModel, regions: list[MediaRegion], positions: torch.Tensor | None
-) -> ModelRunner:
-    """A runner whose every forward gives each row of the regions its image embedding, and
-    (Qwen2.5-VL) each row its M-RoPE positions, as the engine is to give them."""
+def runner_with_images(model: VisionLanguageModel, placed: PromptImages) -> ModelRunner:
+    """A runner whose every forward gives the rows of the image regions their embeddings, and
+    (Qwen2.5-VL) every row its M-RoPE positions, as the engine is to give them."""
     decoder = model.decoder
 
-    def with_regions(batch, kv_cache):
+    def with_images(batch, kv_cache):
         start = int(batch.positions[0])
         end = start + len(batch.positions)
-        batch.embeds = chunk_embeds(regions, start, end)
-        if positions is not None:
-            batch.rope_positions = positions[:, start:end]
+        batch.embeds = chunk_embeds(placed.regions, start, end)
+        batch.rope_positions = placed.positions(start, end)
         return type(decoder).forward(decoder, batch, kv_cache)
 
-    decoder.forward = with_regions  # type: ignore[method-assign]
+    decoder.forward = with_images  # type: ignore[method-assign]
     return ModelRunner(decoder, 16, 16)
 
 
 def run_prompt(
-    model: VisionLanguageModel,
-    ids: list[int],
-    regions: list[MediaRegion],
-    sizes: list[int],
-    positions: torch.Tensor | None = None,
+    model: VisionLanguageModel, ids: list[int], placed: PromptImages, sizes: list[int]
 ) -> torch.Tensor:
     """Logits of every prompt position, the prompt run in chunks of these sizes."""
-    runner, seq, out = runner_with_images(model, regions, positions), Seq(ids, 0), []
+    runner, seq, out = runner_with_images(model, placed), Seq(ids, 0), []
     for n in sizes:
         out.append(runner.execute([seq.chunk(n)], {0})[0])
         seq.req.num_computed += n
@@ -357,16 +343,16 @@ def test_prompt_with_two_images_equals_transformers_whole_and_in_chunks(vlm, nam
         # (test_gemma3_bidirectional_image_attention_is_what_differs).
         want = hf(input_ids=torch.tensor([ids]), **hf_inputs(hf_processor, images, ids))
         want = want.logits[0]
-    regions = media_regions(ours, ids, images)
+    placed = prompt_images(ours, ids, images)
+    regions = placed.regions
     assert [r.end - r.start for r in regions] == [
         ours.encoder.tokens(ours.processor(i)) for i in images
     ]
-    positions = rope_positions(ours, ids, images)
-    whole = run_prompt(ours, ids, regions, [len(ids)], positions)
+    whole = run_prompt(ours, ids, placed, [len(ids)])
     assert (whole.log_softmax(-1) - want.log_softmax(-1)).abs().max().item() < 1e-4
     cuts = [16] * (len(ids) // 16) + [len(ids) % 16]
     assert any(r.start % 16 and r.end - r.start > 16 - r.start % 16 for r in regions)  # cut
-    chunked = run_prompt(ours, ids, regions, [n for n in cuts if n], positions)
+    chunked = run_prompt(ours, ids, placed, [n for n in cuts if n])
     assert (chunked - whole).abs().max().item() < 1e-4
 
 
@@ -383,13 +369,7 @@ def test_greedy_tokens_after_two_images_equal_transformers(vlm, name: str) -> No
             torch.tensor([ids]), **inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False
         )
         want = out[0, len(ids) :].tolist()
-    positions = rope_positions(ours, ids, images)
-    if positions is not None:  # decodes: their index plus the prompt's M-RoPE offset
-        offset = positions.max() + 1 - len(ids)
-        positions = torch.cat(
-            (positions, torch.arange(len(ids), len(ids) + n).expand(3, n) + offset), 1
-        )
-    runner = runner_with_images(ours, media_regions(ours, ids, images), positions)
+    runner = runner_with_images(ours, prompt_images(ours, ids, images))
     seq = Seq(ids, 0)
     seq.req.block_table = list(range(16))
     logits, got = runner.execute([seq.chunk(len(ids))], set())[0], []
@@ -433,9 +413,8 @@ def same_logits(a: Path, b: Path) -> bool:
     image = IMAGES[1]
     one, two = load_vision_language(a, "float32"), load_vision_language(b, "float32")
     ids = image_prompt(one, [image])
-    positions = rope_positions(one, ids, [image])
-    want = run_prompt(one, ids, media_regions(one, ids, [image]), [len(ids)], positions)
-    got = run_prompt(two, ids, media_regions(two, ids, [image]), [len(ids)], positions)
+    want = run_prompt(one, ids, prompt_images(one, ids, [image]), [len(ids)])
+    got = run_prompt(two, ids, prompt_images(two, ids, [image]), [len(ids)])
     return torch.equal(got, want)
 
 
@@ -472,7 +451,7 @@ def test_gemma3_bidirectional_image_attention_is_what_differs(vlm) -> None:
         pixels = hf_processor(images, return_tensors="pt")["pixel_values"]
         token_types = torch.tensor([[int(t == IMAGE_TOKEN) for t in ids]])
         want = hf(input_ids=torch.tensor([ids]), pixel_values=pixels, token_type_ids=token_types)
-    got = run_prompt(ours, ids, media_regions(ours, ids, images), [len(ids)])
+    got = run_prompt(ours, ids, prompt_images(ours, ids, images), [len(ids)])
     first = ids.index(IMAGE_TOKEN)
     diff = (got.log_softmax(-1) - want.logits[0].log_softmax(-1)).abs().amax(-1)
     assert diff[:first].max().item() < 1e-4

@@ -91,6 +91,12 @@ class VisionEncoder(Protocol):
         """The image's embeddings [tokens, text hidden], in the decoder's dtype."""
         ...
 
+    def rope_positions(
+        self, token_ids: list[int], images: list[PreparedImage]
+    ) -> torch.Tensor | None:
+        """The prompt's M-RoPE positions [3, T] (Qwen2.5-VL); None: each token's index."""
+        ...
+
 
 @dataclass
 class VisionLanguageModel:
@@ -146,19 +152,42 @@ def image_key(image: PreparedImage) -> str:
     return digest.hexdigest()
 
 
+@dataclass
+class PromptImages:
+    """A prompt's images as its forwards take them."""
+
+    regions: list[MediaRegion]
+    # M-RoPE's (t, h, w) positions [3, T] of the prompt's tokens (a chunk passes its columns as
+    # BatchInput.rope_positions); None: each token's index.
+    rope_positions: torch.Tensor | None
+
+    def positions(self, start: int, end: int) -> torch.Tensor | None:
+        """BatchInput.rope_positions of the tokens start..end-1, the prompt's or, past its end,
+        decoded ones (their index moved by what the images' grids saved, the same on t, h and
+        w); None without M-RoPE."""
+        if (prompt := self.rope_positions) is None:
+            return None
+        n = prompt.shape[1]
+        decoded = torch.arange(max(start, n), max(end, n)) + int(prompt.max()) + 1 - n
+        return torch.cat((prompt[:, start:end], decoded.expand(3, -1)), dim=1)
+
+
 @torch.inference_mode()
-def media_regions(
+def prompt_images(
     model: VisionLanguageModel, token_ids: list[int], images: list[Image.Image]
-) -> list[MediaRegion]:
-    """The images' regions in the prompt, in order: each image encoded once."""
+) -> PromptImages:
+    """The images' regions in the prompt, in order, each image encoded once; and the positions
+    the family rotates by."""
     prepared = [model.processor(image) for image in images]
+    encoder = model.encoder
     starts = placeholder_starts(
-        token_ids, model.encoder.image_token_id, [model.encoder.tokens(p) for p in prepared]
+        token_ids, encoder.image_token_id, [encoder.tokens(p) for p in prepared]
     )
-    return [
-        MediaRegion(start, model.encoder.encode(image), image_key(image))
+    regions = [
+        MediaRegion(start, encoder.encode(image), image_key(image))
         for start, image in zip(starts, prepared, strict=True)
     ]
+    return PromptImages(regions, encoder.rope_positions(token_ids, prepared))
 
 
 def placeholder_starts(token_ids: list[int], image_token_id: int, lengths: list[int]) -> list[int]:

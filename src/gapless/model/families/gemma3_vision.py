@@ -99,6 +99,9 @@ class Gemma3Vision:
     def tokens(self, image: PreparedImage) -> int:
         return self.cfg.tokens_per_image
 
+    def rope_positions(self, token_ids: list[int], images: list[PreparedImage]) -> None:
+        return None  # an image's tokens rotate by their index, as text
+
     def encode(self, image: PreparedImage) -> torch.Tensor:
         """[tokens, text hidden]: the image's embeddings at its placeholder tokens."""
         states = self.tower.forward(torch.from_numpy(image.pixels))  # [patches, hidden]

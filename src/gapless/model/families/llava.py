@@ -140,6 +140,9 @@ class Llava:
     def tokens(self, image: PreparedImage) -> int:
         return self.cfg.tokens_per_image
 
+    def rope_positions(self, token_ids: list[int], images: list[PreparedImage]) -> None:
+        return None  # an image's tokens rotate by their index, as text
+
     def encode(self, image: PreparedImage) -> torch.Tensor:
         """[tokens, text hidden]: the image's embeddings at its placeholder tokens."""
         states = self.tower.hidden_states(torch.from_numpy(image.pixels), self.cfg.feature_layers)

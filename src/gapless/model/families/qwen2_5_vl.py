@@ -189,6 +189,10 @@ class QwenVision:
         out = self.merger_fc2(F.gelu(self.merger_fc1(merged)))
         return out[torch.argsort(order)]
 
+    def rope_positions(self, token_ids: list[int], images: list[PreparedImage]) -> torch.Tensor:
+        grids = [image.grid for image in images]
+        return mrope_positions(token_ids, self.image_token_id, grids, self.cfg.merge_size)  # type: ignore[arg-type]
+
     @property
     def window(self) -> int:
         """A window's side in merge units."""
