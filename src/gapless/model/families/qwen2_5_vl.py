@@ -174,11 +174,12 @@ class QwenVision:
         """[tokens, text hidden]: the image's embeddings at its placeholder tokens."""
         cfg, unit = self.cfg, self.cfg.merge_size**2
         _, rows, cols = image.grid  # type: ignore[misc]
-        patches = torch.from_numpy(image.pixels).to(self.inv_freq.device, self.dtype)
-        x = self.patch_embed(patches)
+        device = self.inv_freq.device
+        x = self.patch_embed(torch.from_numpy(image.pixels).to(device, self.dtype))
         order, windows = window_order(rows // cfg.merge_size, cols // cfg.merge_size, self.window)
+        order = order.to(device)
         # Patches move by merge units (unit consecutive rows): units in window order.
-        by_unit = (order[:, None] * unit + torch.arange(unit)).flatten()
+        by_unit = (order[:, None] * unit + torch.arange(unit, device=device)).flatten()
         x = x[by_unit]
         rotation = self.rotation(rows, cols, by_unit)
         whole = [len(x)]
@@ -202,8 +203,10 @@ class QwenVision:
         self, rows: int, cols: int, order: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [N, 1, head_dim] of each patch (in `order`) by its row and column."""
-        m = self.cfg.merge_size
-        row, col = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+        m, device = self.cfg.merge_size, self.inv_freq.device
+        row, col = torch.meshgrid(
+            torch.arange(rows, device=device), torch.arange(cols, device=device), indexing="ij"
+        )
         # The processor's patch order: merge window by merge window.
         row, col = (
             t.reshape(rows // m, m, cols // m, m).transpose(1, 2).flatten() for t in (row, col)
@@ -243,8 +246,8 @@ def build(cfg: QwenVisionConfig, w: Weights) -> QwenVision:
             )
         )
     patch = w.take(VISUAL + "patch_embed.proj.weight")
-    quarter = cfg.head_dim // 2
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter)
+    half = cfg.head_dim // 2  # rows rotate one half of a head, columns the other
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half)
     return QwenVision(
         cfg=cfg,
         patch_embed=w.kernels.linear(patch.flatten(1)),
