@@ -1,8 +1,9 @@
 """Images in the prompt (model/vision.py) compute what transformers computes, on tiny random
 vision-language checkpoints built with transformers' own classes and images drawn here with
 Pillow: preprocessing equal to transformers' image processors, image features equal to its
-get_image_features, and prompt logprobs over prompts with two image regions equal to its
-forward, whole and in 16-token chunks that cut the regions.
+get_image_features, prompt logprobs over prompts with two image regions equal to its
+forward, whole and in 16-token chunks that cut the regions, and greedy tokens after them equal
+to its generate; for LLaVA (CLIP and SigLIP towers), Gemma 3 and Qwen2.5-VL (M-RoPE).
 """
 
 from __future__ import annotations
