@@ -333,17 +333,22 @@ def test_image_features_equal_transformers(vlm, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
-def test_prompt_with_two_images_equals_transformers_whole_and_in_chunks(vlm, name: str) -> None:
+def test_two_images_prompt_and_greedy_tokens_equal_transformers(vlm, name: str) -> None:
+    """Prompt logprobs whole and in 16-token chunks that cut the regions, then 8 greedy
+    tokens (Qwen2.5-VL's decodes at their index plus the prompt's M-RoPE offset)."""
     path = vlm(name)
     hf, hf_processor = hf_vlm(path)
     ours = load_vision_language(path, "float32")
-    images = IMAGES[:2]
+    images, n = IMAGES[:2], 8
     ids = image_prompt(ours, images)
+    inputs = hf_inputs(hf_processor, images, ids)
     with torch.no_grad():
         # Gemma 3 without token_type_ids: causal over the image tokens, as our decoder attends
         # (test_gemma3_bidirectional_image_attention_is_what_differs).
-        want = hf(input_ids=torch.tensor([ids]), **hf_inputs(hf_processor, images, ids))
-        want = want.logits[0]
+        want = hf(input_ids=torch.tensor([ids]), **inputs).logits[0]
+        out = hf.generate(
+            torch.tensor([ids]), **inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )
     placed = prompt_images(ours, ids, images)
     regions = placed.regions
     assert [r.end - r.start for r in regions] == [
@@ -353,24 +358,10 @@ def test_prompt_with_two_images_equals_transformers_whole_and_in_chunks(vlm, nam
     assert (whole.log_softmax(-1) - want.log_softmax(-1)).abs().max().item() < 1e-4
     cuts = [16] * (len(ids) // 16) + [len(ids) % 16]
     assert any(r.start % 16 and r.end - r.start > 16 - r.start % 16 for r in regions)  # cut
-    chunked = run_prompt(ours, ids, placed, [n for n in cuts if n])
+    chunked = run_prompt(ours, ids, placed, [c for c in cuts if c])
     assert (chunked - whole).abs().max().item() < 1e-4
 
-
-@pytest.mark.parametrize("name", CHECKPOINTS)
-def test_greedy_tokens_after_two_images_equal_transformers(vlm, name: str) -> None:
-    path = vlm(name)
-    hf, hf_processor = hf_vlm(path)
-    ours = load_vision_language(path, "float32")
-    images, n = IMAGES[:2], 8
-    ids = image_prompt(ours, images)
-    with torch.no_grad():
-        inputs = hf_inputs(hf_processor, images, ids)
-        out = hf.generate(
-            torch.tensor([ids]), **inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False
-        )
-        want = out[0, len(ids) :].tolist()
-    runner = runner_with_images(ours, prompt_images(ours, ids, images))
+    runner = runner_with_images(ours, placed)
     seq = Seq(ids, 0)
     seq.req.block_table = list(range(16))
     logits, got = runner.execute([seq.chunk(len(ids))], set())[0], []
@@ -380,7 +371,7 @@ def test_greedy_tokens_after_two_images_equal_transformers(vlm, name: str) -> No
         seq.req.output_ids.append(got[-1])
         logits = runner.execute([seq.chunk(1)], set())[0]
         seq.req.num_computed += 1
-    assert got == want
+    assert got == out[0, len(ids) :].tolist()
 
 
 # transformers 5 saves the layout of 4.x without CLIP's and SigLIP's `vision_model.` level;
