@@ -30,6 +30,7 @@ from gapless.engine.runner import ModelRunner
 from gapless.engine.sampler import SamplingState, TokenCounts, sample, top_logprobs
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from gapless.engine.speculation import Speculation
 from gapless.engine.structured import GrammarCompiler, GrammarError
 from gapless.kernels import DTYPES
 from gapless.kv.block_pool import BlockPool
@@ -129,6 +130,21 @@ class EngineConfig:
         "L2-normalized",
         choices=POOLINGS,
     )
+    speculate: str = option(
+        "ngram",
+        "speculative decoding: ngram proposes what followed the latest earlier match of a "
+        "request's last tokens in its own prompt and output, and the step's forward verifies "
+        "it (the output is the same, and distributed the same, as without); none decodes one "
+        "token a step",
+        choices=("none", "ngram"),
+    )
+    num_speculative_tokens: int = option(
+        5,
+        "the most proposed tokens a request verifies in a step; its own number follows how "
+        "many of its proposals were accepted lately, down to 0",
+        positive=True,
+        metavar="K",
+    )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -185,7 +201,9 @@ class Engine:
                 scheduling.idle_prefill_chunk,
             )
             budget = self.cost_model.prefill_budget
-        self.scheduler = Scheduler(scheduling, self.pool, budget, mcfg.max_window)
+        self.scheduler = Scheduler(
+            scheduling, self.pool, budget, mcfg.max_window, self.max_model_len
+        )
         self.eos_ids = set(tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, mcfg.vocab_size, sorted(self.eos_ids))
         self.metrics = EngineMetrics()
@@ -354,6 +372,9 @@ class Engine:
                 sampling.matcher = self.grammars.matcher(params.grammar)
             except GrammarError as e:
                 raise RequestError(f"the grammar does not compile: {e}", "grammar") from e
+        speculation = None
+        if self.config.speculate == "ngram" and params.speculate:
+            speculation = Speculation(self.config.num_speculative_tokens)
         return Request(
             request_id,
             ids,
@@ -363,6 +384,7 @@ class Engine:
             index=index,
             sampling=sampling,
             output=OutputStream(self.tokenizer, params),
+            speculation=speculation,
         )
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> str:
@@ -393,31 +415,32 @@ class Engine:
 
     def step(self) -> list[Event]:
         """One hybrid forward over everything scheduled, then one token per finished prompt
-        or decode. A failure is isolated to the requests it comes from: the others in the
-        batch continue with the tokens they would have had."""
+        or decode, and for a decode with proposed tokens, one more per accepted proposal. A
+        failure is isolated to the requests it comes from: the others in the batch continue
+        with the tokens they would have had."""
         events: list[Event] = []
         self._take_incoming(events)
         started = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return events
-        decode_tokens = sum(c.request.is_decoding for c in chunks)
+        decodes = [c for c in chunks if c.request.is_decoding]
+        decode_tokens = sum(c.num_tokens for c in decodes)
         prefill_tokens = sum(c.num_tokens for c in chunks) - decode_tokens
+        # A draft's tokens attend as decodes do (runner), and cost as much.
         features = step_features(
-            [c.request.num_computed + 1 for c in chunks if c.request.is_decoding],
+            [c.request.num_computed + 1 + i for c in decodes for i in range(c.num_tokens)],
             [(c.num_tokens, c.request.num_computed) for c in chunks if not c.request.is_decoding],
         )
-        to_sample: list[tuple[Request, torch.Tensor]] = []
+        runs: list[tuple[Request, torch.Tensor, list[int]]] = []
         for chunk, rows in self._forward(events, chunks):
             try:
-                to_sample += [(req, rows[-1]) for req in self._advance(events, chunk, rows)]
+                # A draft's chunk has a row per token; the last 1 + len(draft) are sampled.
+                last = rows[len(rows) - 1 - len(chunk.draft) :]
+                runs += [(req, last, chunk.draft) for req in self._advance(events, chunk, rows)]
             except Exception as exc:
                 self._fail(events, chunk.request, exc)
-        for req, token, info in self._sample(events, to_sample):
-            try:
-                self._append_token(events, req, token, info)
-            except Exception as exc:
-                self._fail(events, req, exc)
+        self._sample_runs(events, runs)
         self.num_steps += 1
         elapsed = time.perf_counter() - started
         self.metrics.step_time.observe(elapsed)
@@ -466,7 +489,8 @@ class Engine:
             self._record_prompt_logprobs(req, req.num_computed, rows)
         if req.pooling is not None:
             self._pool(req, req.num_computed, rows[0])
-        req.num_computed += chunk.num_tokens
+        # Proposed tokens count as computed only once accepted (_sample_runs).
+        req.num_computed += chunk.num_tokens - len(chunk.draft)
         self.scheduler.register_computed_blocks(req)
         if in_prompt and req.first_token_time is None:
             processed = min(req.num_computed, len(req.prompt_ids))
@@ -505,6 +529,45 @@ class Engine:
         if req.pooling == "mean":
             pooled = pooled / len(req.prompt_ids)
         return F.normalize(pooled, dim=-1).tolist()
+
+    def _sample_runs(
+        self, events: list[Event], runs: list[tuple[Request, torch.Tensor, list[int]]]
+    ) -> None:
+        """Samples each request's rows in order, all requests' row j in one batch, and appends
+        each token as it comes. A request's next row is sampled only while its tokens are its
+        draft's: row j's logits saw draft[j] in the context, so they are the next token's only
+        if draft[j] is what was drawn (speculation.py says why this keeps the distribution).
+        Then each verified request keeps the K/V of its accepted proposals and drops the
+        rest."""
+        rows_of = {req: rows for req, rows, _ in runs}
+        draft_of = {req: draft for req, _, draft in runs}
+        accepted = dict.fromkeys(draft_of, 0)
+        live = list(draft_of)
+        position = 0
+        while live:
+            sampled = self._sample(events, [(req, rows_of[req][position]) for req in live])
+            live = []
+            for req, token, info in sampled:
+                try:
+                    self._append_token(events, req, token, info)
+                except Exception as exc:
+                    self._fail(events, req, exc)
+                    continue
+                draft = draft_of[req]
+                if position < len(draft) and token == draft[position]:
+                    accepted[req] += 1
+                    if req.state is not RequestState.FINISHED:
+                        live.append(req)
+            position += 1
+        for req, draft in draft_of.items():
+            if not draft:
+                continue
+            req.speculation.observe(len(draft), accepted[req])
+            self.metrics.speculative_proposed_tokens += len(draft)
+            self.metrics.speculative_accepted_tokens += accepted[req]
+            if req.state is not RequestState.FINISHED:
+                req.num_computed += accepted[req]
+                self.scheduler.settle_speculation(req)
 
     def _sample(
         self, events: list[Event], batch: list[tuple[Request, torch.Tensor]]
@@ -677,6 +740,8 @@ class Engine:
             "prefix_cache_hit_tokens_total": self.scheduler.prefix_hit_tokens,
             "prefix_cache_queried_tokens_total": self.scheduler.prefix_queried_tokens,
             "preemptions_total": self.scheduler.preemptions,
+            "speculative_proposed_tokens_total": self.metrics.speculative_proposed_tokens,
+            "speculative_accepted_tokens_total": self.metrics.speculative_accepted_tokens,
         }
 
     def summary(self, max_rows: int = 100) -> dict[str, Any]:

@@ -63,4 +63,7 @@ class EngineMetrics:
         self.inter_token_latency = Histogram(_LATENCY_BUCKETS)
         self.step_time = Histogram(_LATENCY_BUCKETS)
         self.generation_tokens = 0
+        # Speculative decoding: tokens proposed and verified, and those of them accepted.
+        self.speculative_proposed_tokens = 0
+        self.speculative_accepted_tokens = 0
         self.requests_finished: dict[str, int] = {}

@@ -1,7 +1,8 @@
 """A request's state as the engine runs it, grouped by who writes it:
 - the scheduler (with the block pool) owns its KV state: state, num_computed, the block
   table and hashes, admission and preemption counts;
-- sampling state (`sampling`: seeded generator, penalty counts, grammar) is made with it;
+- sampling state (`sampling`: seeded generator, penalty counts, grammar) is made with it,
+  and so is its proposer of speculative tokens (`speculation`, None when it speculates not);
 - the engine's output path owns `output` (detokenizer, stop strings) and the timings.
 """
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from gapless.engine.output import OutputStream
+    from gapless.engine.speculation import Speculation
 
 # How an embedding request pools its prompt's hidden states after the final norm into one
 # vector, which is then L2-normalized: `last`, the last token's (decoder embedding models such
@@ -48,6 +50,7 @@ class Request:
     index: int = 0  # which of the request's n choices
     sampling: SamplingState | None = None  # None: plain SamplingState(params)
     output: OutputStream | None = None  # None: no text is rendered (runner-level use)
+    speculation: Speculation | None = None  # None: decodes one token a step
     # An embedding request's pooling (POOLINGS): it samples no token and ends with its prompt.
     pooling: str | None = None
 

@@ -25,6 +25,9 @@ class ChunkInput:
     # An embedding request's chunk returns, instead of logits, its hidden states after the
     # final norm: its last token's ("last") or the sum of its tokens' ("sum").
     hidden: str | None = None
+    # Each token attends as a decode of its own (a draft's verification), so that its row is
+    # computed exactly as a plain decode at its position computes it.
+    decodes: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -95,12 +98,16 @@ class ModelRunner:
         """Runs the chunks in one forward pass.
 
         Returns for each chunk the logits of its last token, or of every token when its index
-        is in all_logits (prompt logprobs). An embedding request's chunk returns instead its
-        hidden states after the final norm, float32 [1, hidden]: its last token's (pooling
-        `last`), or the sum of its tokens' (`mean`).
+        is in all_logits (prompt logprobs) or it carries a draft (proposed tokens: each row
+        verifies the next, computed as a decode at its position). An embedding request's
+        chunk returns instead its hidden states after the final norm, float32 [1, hidden]: its
+        last token's (pooling `last`), or the sum of its tokens' (`mean`).
         """
-        # Decodes go first so that they form one contiguous block of rows: one attention call.
-        order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_tokens != 1)
+        # Decodes (and verifications, which attend as decodes) go first so that they form one
+        # contiguous block of rows: one attention call.
+        order = sorted(
+            range(len(chunks)), key=lambda i: chunks[i].num_tokens != 1 and not chunks[i].draft
+        )
         inputs = [self._input(chunks[i], i in all_logits) for i in order]
         all_logits_rows, all_hidden = self.run(inputs)
         logits = all_logits_rows.split([c.num_rows for c in inputs])
@@ -138,7 +145,9 @@ class ModelRunner:
         hidden = None
         if req.pooling is not None:
             hidden = "sum" if req.pooling == "mean" else "last"
-        return ChunkInput(req.tokens(start, end), start, table, all_logits, hidden)
+        tokens = req.tokens(start, end - len(chunk.draft)) + chunk.draft
+        verify = bool(chunk.draft)
+        return ChunkInput(tokens, start, table, all_logits or verify, hidden, verify)
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -159,7 +168,14 @@ class ModelRunner:
             write_slots += self._slots(chunk.block_table, start, start + n)
             logit_rows += range(row, row + n) if chunk.all_logits else [row + n - 1]
             hidden_rows += range(row + n - chunk.num_hidden_rows, row + n)
-            spans.append(Span(row, start, n, chunk.block_table))
+            if chunk.decodes:
+                bs = self.block_size
+                spans += [
+                    Span(row + i, start + i, 1, chunk.block_table[: (start + i) // bs + 1])
+                    for i in range(n)
+                ]
+            else:
+                spans.append(Span(row, start, n, chunk.block_table))
         dev = self.decoder.device
         return BatchInput(
             token_ids=torch.tensor(token_ids, device=dev),

@@ -42,6 +42,8 @@ class SamplingParams:
     n: int = 1  # choices sampled from one prompt; choice i seeds its draws with seed + i
     # The output must match this grammar (llguidance's serialized form, engine/structured.py).
     grammar: str | None = None
+    # False: this request decodes one token a step even where the engine speculates.
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

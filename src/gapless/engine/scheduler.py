@@ -12,6 +12,11 @@ Each step is one hybrid batch:
 3. Chunks go to prefilling and waiting requests in the order of the prefill policy (a
    PrefillPolicy: `fcfs` by arrival, or `shortest` remaining prefill first, aged by steps
    waited so that no prompt starves). Several prompts may share the budget. Waiting requests are admitted while `max_num_seqs` and free KV allow.
+4. What the prompts leave of the budget goes to speculation (speculation.py): decodes, in
+   admission order, get proposed tokens to verify in the same forward, at most VERIFY_ROWS
+   rows of decodes and proposals in all, and only into free KV (no one is preempted for a
+   proposal). So speculation shrinks before prompt chunks do, and turns itself off at
+   large batch, where a decode step is no longer bound by reading the weights.
 A request marked whole_prefill (submit(), or chunking off) takes its whole prompt at once.
 
 A request for n choices prefills its prompt once; the other n - 1 then fork from it (fork()).
@@ -21,18 +26,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gapless.engine.options import check, option
 from gapless.engine.request import Request, RequestState
 from gapless.kv.block_pool import BlockPool
 from gapless.kv.prefix_cache import block_hashes, match_prefix
 
+# Rows of decodes and proposed tokens that a step verifies at about the cost of one decode:
+# the GGUF block kernels multiply up to 16 rows as one pass over the weights (BlockLinear's
+# gemv_max_rows), and float linears on a few cores stay bound by reading the weights up to
+# about as many.
+VERIFY_ROWS = 16
+
 
 @dataclass
 class ScheduledChunk:
     request: Request
     num_tokens: int
+    # A decode's proposed tokens, verified after its last sampled token (num_tokens counts
+    # them).
+    draft: list[int] = field(default_factory=list)
 
 
 class PrefillPolicy:
@@ -116,6 +130,7 @@ class Scheduler:
         pool: BlockPool,
         prefill_budget: Callable[[list[int], int], int] | None = None,
         window: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.config = config
         self.policy = PREFILL_POLICIES[config.prefill_policy]
@@ -123,6 +138,7 @@ class Scheduler:
         # The widest attention window over all layers (None: full attention): blocks every
         # layer's window has passed are released.
         self.window = window
+        self.max_model_len = max_model_len  # proposals never reach past it
         # A latency target replaces the static chunk budget when decodes run. It is given the
         # decodes' context lengths and where the first prompt chunk starts.
         self.prefill_budget = prefill_budget
@@ -155,20 +171,25 @@ class Scheduler:
         self._release_blocks(request)
 
     def schedule(self) -> list[ScheduledChunk]:
-        chunks = self._schedule_decodes()
+        decodes = self._schedule_decodes()
+        chunks = list(decodes)
         self.steps += 1
         candidates = [r for r in self.running if r.state is RequestState.PREFILLING]
         candidates = sorted(candidates + self.waiting, key=lambda r: self.policy.key(r, self.steps))
+        speculating = any(c.request.speculation is not None for c in decodes)
         if not chunks:
             budget = self.config.idle_prefill_chunk
-        elif self.prefill_budget is not None and candidates:
+        elif self.prefill_budget is not None and (candidates or speculating):
             contexts = [c.request.num_computed + 1 for c in chunks]
-            budget = max(
-                self.prefill_budget(contexts, candidates[0].num_computed),
-                self.config.min_prefill_chunk,
-            )
+            start = candidates[0].num_computed if candidates else 0
+            budget = self.prefill_budget(contexts, start)
         else:
             budget = self.config.prefill_chunk
+        # Under a latency target prompts move at least min_prefill_chunk tokens a step, and
+        # speculation gets only what the target leaves after them.
+        left = budget
+        if chunks and self.prefill_budget is not None:
+            budget = max(budget, self.config.min_prefill_chunk)
         for request in candidates:
             if budget <= 0:
                 break
@@ -184,7 +205,30 @@ class Scheduler:
                     continue
             chunks.append(ScheduledChunk(request, n))
             budget -= n
+            left -= n
+        if speculating:
+            self._speculate(decodes, min(left, VERIFY_ROWS - len(decodes)))
         return chunks
+
+    def _speculate(self, decodes: list[ScheduledChunk], budget: int) -> None:
+        """Gives decodes, in admission order, tokens their proposers propose, while `budget`
+        tokens last: each no more than its request can still emit, and only into free KV."""
+        for chunk in decodes:
+            request = chunk.request
+            if budget <= 0:
+                return
+            if request.speculation is None:
+                continue
+            # A run of k accepted proposals emits k + 1 tokens.
+            most = min(budget, request.params.max_tokens - len(request.output_ids) - 1)
+            if self.max_model_len is not None:
+                most = min(most, self.max_model_len - request.num_tokens - 1)
+            most = min(most, self._room(request) - 1)
+            draft = request.speculation.propose(request, most) if most > 0 else []
+            if draft and self._reserve(request, 1 + len(draft)):
+                chunk.draft = draft
+                chunk.num_tokens += len(draft)
+                budget -= len(draft)
 
     def _schedule_decodes(self) -> list[ScheduledChunk]:
         chunks = []
@@ -293,11 +337,15 @@ class Scheduler:
 
     def _fit(self, request: Request, n: int) -> int:
         """The largest chunk of at most n tokens that free KV can hold now."""
-        spare = len(request.block_table) * self.pool.block_size - request.num_computed
-        fit = min(n, spare + self.pool.num_available * self.pool.block_size)
+        fit = min(n, self._room(request))
         if fit > 0 and self._reserve(request, fit):
             return fit
         return 0
+
+    def _room(self, request: Request) -> int:
+        """How many more tokens the request's blocks and the pool's free ones can hold."""
+        spare = len(request.block_table) * self.pool.block_size - request.num_computed
+        return spare + self.pool.num_available * self.pool.block_size
 
     def _drop_outside_window(self, request: Request) -> None:
         """Releases blocks that every layer's window has moved past (the rotating cache)."""
@@ -316,6 +364,15 @@ class Scheduler:
         request.block_table = []
         request.block_hashes = []
         request.num_registered = 0
+
+    def settle_speculation(self, request: Request) -> None:
+        """After a verification moved num_computed past the accepted proposals: offers their
+        full blocks to the prefix cache and releases the blocks that held only rejected ones
+        (whose K/V, past num_computed, is overwritten before anything reads it)."""
+        self.register_computed_blocks(request)
+        keep = -(-request.num_tokens // self.pool.block_size)
+        self.pool.release([b for b in request.block_table[keep:] if b >= 0])
+        del request.block_table[keep:]
 
     def register_computed_blocks(self, request: Request) -> None:
         """Offers the request's newly full blocks to the prefix cache."""

