@@ -187,6 +187,7 @@ def parse_messages(
     fields.update(
         max_tokens=admission.output_budget(requested, len(prompt_ids)),
         stop=protocol.stop_field(body, "stop_sequences"),
+        speculate=protocol.bool_field(body, "speculate") is not False,
     )
     chat_template = admission.tokenizer.chat_template
     parser = tool_calls.apply_tools(tools, fields, grammars, chat_template, configured_parser)

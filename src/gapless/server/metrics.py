@@ -17,6 +17,8 @@ _HELP = {
     "kv_blocks_total": "KV cache blocks in the pool.",
     "prefix_cache_hit_tokens_total": "Prompt tokens served from the prefix cache.",
     "prefix_cache_queried_tokens_total": "Prompt tokens looked up in the prefix cache.",
+    "speculative_proposed_tokens_total": "Proposed tokens verified by speculative decoding.",
+    "speculative_accepted_tokens_total": "Proposed tokens accepted: the output's own tokens.",
 }
 
 

@@ -137,6 +137,7 @@ def _sampling(
         room if num_predict is None or num_predict < 0 else min(num_predict, room)
     )
     fields["stop"] = protocol.stop_field(options)
+    fields["speculate"] = protocol.bool_field(body, "speculate") is not False
     fields["grammar"] = ollama_format_grammar(body.get("format"), grammars)
     return fields
 

@@ -107,7 +107,7 @@ def sampling_fields(
         seed=int_field(body, "seed"),
         stop=stop_field(body),
     )
-    for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+    for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "speculate"):
         value = bool_field(body, name)
         if value is not None:
             fields[name] = value

@@ -243,6 +243,7 @@ def parse_request(
         body, floats={"temperature": "temperature", "top_p": "top_p"}, ints={}
     )
     fields["max_tokens"] = admission.output_budget(limit, len(prompt_ids))
+    fields["speculate"] = protocol.bool_field(body, "speculate") is not False
     text = dict_field(body, "text") or {}
     text_format = text.get("format") or {"type": "text"}
     fields["grammar"] = text_format_grammar(text_format, grammars)
