@@ -94,7 +94,7 @@ def test_two_ranks_give_one_ranks_logits(checkpoint, tp2, arch):  # noqa: F811
 
 
 class Counted:
-    """A linear that counts its calls and the rows they bring."""
+    """A linear that counts the rows of each call."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.linear = PlainLinear(weight)
@@ -103,14 +103,6 @@ class Counted:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         self.rows.append(x.shape[0])
         return self.linear(x)
-
-    def silu(self, x: torch.Tensor) -> torch.Tensor:
-        self.rows.append(x.shape[0])
-        return self.linear.silu(x)
-
-    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        self.rows.append(x.shape[0])
-        return self.linear.times(x, other)
 
 
 def test_experts_run_once_each_over_all_their_tokens():
@@ -122,8 +114,9 @@ def test_experts_run_once_each_over_all_their_tokens():
     # k different experts per token, never the last one
     chosen = torch.stack([torch.randperm(n - 1, generator=gen)[:k] for _ in range(tokens)])
     weights = torch.rand(tokens, k, generator=gen)
-    linears = [[Counted(w) for w in ws] for ws in (gate, up, down)]
-    got = Experts(*linears)(x, chosen, weights)
+    gate_up = [Counted(torch.cat((gate[e], up[e]))) for e in range(n)]
+    downs = [Counted(down[e]) for e in range(n)]
+    got = Experts(gate_up, downs)(x, chosen, weights)  # type: ignore[arg-type]
     want = torch.zeros_like(x)
     for t in range(tokens):
         for j in range(k):
@@ -133,7 +126,7 @@ def test_experts_run_once_each_over_all_their_tokens():
     assert (got - want).abs().max().item() < 1e-4
     for e in range(n):
         count = int((chosen == e).sum())
-        for kind in linears:  # one call per chosen expert, over all of its tokens
+        for kind in (gate_up, downs):  # one call per chosen expert, over all of its tokens
             assert kind[e].rows == ([count] if count else [])
 
 
@@ -170,19 +163,22 @@ def test_quantized_experts_run_in_their_blocks_as_dequantized(
     decoder, _ = load_gguf(path, "float32")
     if not decoder.kernels.gguf_blocks:
         pytest.skip("our GGUF block kernels could not be built here")
-    file_bytes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
+    size = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
     for i, layer in enumerate(decoder.layers):
         experts = layer.moe.experts
-        for name in ("gate", "up", "down"):
-            kind = getattr(experts, name)
-            assert all(isinstance(lin, BlockLinear) for lin in kind)
-            held = [lin.weight for lin in kind]
+        file_bytes = {
+            "gate_up": size[f"blk.{i}.ffn_gate_exps.weight"] + size[f"blk.{i}.ffn_up_exps.weight"],
+            "down": size[f"blk.{i}.ffn_down_exps.weight"],
+        }
+        for name, linears in (("gate_up", experts.gate_up), ("down", experts.down)):
+            assert all(isinstance(lin, BlockLinear) for lin in linears)
+            held = [lin.weight for lin in linears]
             assert all(isinstance(w, BlockQuant) and w.type_name == "Q8_0" for w in held)
-            # The experts hold the file's blocks of their 3-D tensor and nothing more: no
-            # float copy (views of one tensor, or each its own rows).
+            # The experts hold the file's blocks of their 3-D tensors and nothing more: no
+            # float copy.
             storages = {w.blocks.untyped_storage().data_ptr(): w.blocks for w in held}
             held_bytes = sum(b.untyped_storage().nbytes() for b in storages.values())
-            assert held_bytes == file_bytes[f"blk.{i}.ffn_{name}_exps.weight"]
+            assert held_bytes == file_bytes[name]
     monkeypatch.setenv("GAPLESS_KERNELS", "fallback")  # dequantized float32 weights
     dequantized, _ = load_gguf(path, "float32")
     ids = prompt(32)

@@ -13,9 +13,8 @@ its metadata and hands a file with experts to this one. Older files with one ten
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
-
-import torch
 
 from gapless.model.decoder import Body
 from gapless.model.families import common, llama, qwen3_moe
@@ -62,12 +61,6 @@ def tensor_shapes(cfg: MoeConfig) -> Shapes:
     return qwen3_moe.tensor_shapes(cfg, NAMES)
 
 
-def top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral's routing: the k best logits, then a softmax over them."""
-    best, experts = logits.float().topk(k, dim=-1)
-    return best.softmax(dim=-1), experts
-
-
 def build(cfg: MoeConfig, w: Weights) -> Body:
-    k = cfg.experts_per_token
-    return qwen3_moe.build_layers(cfg, w, lambda logits: top_k_softmax(logits, k), NAMES)
+    route = functools.partial(qwen3_moe.top_k_softmax, k=cfg.experts_per_token)
+    return qwen3_moe.build_layers(cfg, w, route, NAMES)
