@@ -1,5 +1,5 @@
-"""Seeded random-weight checkpoints in Hugging Face Qwen2 format, for benchmarks that need a
-real model's shapes and costs but not its answers."""
+"""Seeded random-weight checkpoints in Hugging Face format (Qwen2, Qwen3, Qwen3-MoE), for
+benchmarks that need a real model's shapes and costs but not its answers."""
 
 from __future__ import annotations
 
@@ -9,10 +9,28 @@ import os
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 
-PRESETS: dict[str, dict[str, int]] = {
+from gapless.model.config import ModelConfig
+from gapless.model.loader import expected_shapes
+
+# Qwen3-30B-A3B at half its width (hidden 2048, experts of 768), 4 of its 48 layers and a
+# vocabulary in the same proportion to the layers' active weights (~9%), as a mixture of
+# experts and as a dense model of the same active parameters: 8 chosen experts of 384 rows
+# against one MLP of 8 * 384 (the router's 128 rows are the mixture's only extra).
+_QWEN3_NARROW: dict[str, Any] = dict(
+    hidden_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=8 * 384,
+    vocab_size=4096,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(
         hidden_size=896,
         num_hidden_layers=24,
@@ -28,6 +46,18 @@ PRESETS: dict[str, dict[str, int]] = {
         num_key_value_heads=2,
         intermediate_size=128,
         vocab_size=512,
+    ),
+    "qwen3-30b-a3b-narrow": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        **_QWEN3_NARROW,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=384,
+        norm_topk_prob=True,
+    ),
+    "qwen3-30b-a3b-narrow-dense": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", **_QWEN3_NARROW
     ),
 }
 
@@ -53,28 +83,8 @@ def model_config(preset: str) -> dict:
 
 
 def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """Standard HF tensor names and shapes, in the order they are generated and stored."""
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
-    shapes = [("model.embed_tokens.weight", (cfg["vocab_size"], h))]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "self_attn.q_proj.weight", (h, h)),
-            (p + "self_attn.q_proj.bias", (h,)),
-            (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.k_proj.bias", (kv,)),
-            (p + "self_attn.v_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.bias", (kv,)),
-            (p + "self_attn.o_proj.weight", (h, h)),
-            (p + "mlp.gate_proj.weight", (inter, h)),
-            (p + "mlp.up_proj.weight", (inter, h)),
-            (p + "mlp.down_proj.weight", (h, inter)),
-            (p + "input_layernorm.weight", (h,)),
-            (p + "post_attention_layernorm.weight", (h,)),
-        ]
-    shapes.append(("model.norm.weight", (h,)))
-    return shapes
+    """Every tensor of the config's checkpoint, as its family declares them."""
+    return list(expected_shapes(ModelConfig.from_dict(cfg)).items())
 
 
 def write_random_safetensors(

@@ -1,0 +1,82 @@
+"""Batch-1 decode step time of a mixture of experts against a dense model of the same active
+parameters: bench/make_model.py's qwen3-30b-a3b-narrow (128 experts, 8 chosen per token) and
+qwen3-30b-a3b-narrow-dense (one MLP of 8 experts' rows), in one process, steps interleaved.
+
+    .venv/bin/python scripts/measure_moe_step.py DIR [--rounds N] [--context N] [--dtype D]
+        [--threads N]
+
+DIR holds the two checkpoints (made there on the first run: ~1.3 GB). Each round times one
+decode step of each model, in turn, at the same context length; the figures are medians over
+the rounds, and the ratio is the median of each round's MoE/dense.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from gapless.bench.make_model import make_model
+from gapless.engine.request import Request
+from gapless.engine.runner import ModelRunner
+from gapless.engine.sampling_params import SamplingParams
+from gapless.engine.scheduler import ScheduledChunk
+from gapless.model.loader import load_decoder
+
+PRESETS = ("qwen3-30b-a3b-narrow", "qwen3-30b-a3b-narrow-dense")
+
+
+class Decoding:
+    """One sequence of one model, prefilled to the context, then decoded a step at a time."""
+
+    def __init__(self, path: Path, dtype: str, context: int, steps: int) -> None:
+        self.decoder = load_decoder(path, dtype)
+        blocks = (context + steps) // 16 + 2
+        self.runner = ModelRunner(self.decoder, blocks, 16)
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.decoder.config.vocab_size
+        ids = torch.randint(0, vocab, (context + steps,), generator=gen).tolist()
+        self.request = Request("r", ids, SamplingParams())
+        self.request.block_table = list(range(blocks))
+        self.step(context)
+
+    def step(self, tokens: int = 1) -> float:
+        start = time.perf_counter()
+        self.runner.execute([ScheduledChunk(self.request, tokens)], set())
+        self.request.num_computed += tokens
+        return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("dir", type=Path)
+    p.add_argument("--rounds", type=int, default=50)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    paths = [args.dir / preset for preset in PRESETS]
+    for preset, path in zip(PRESETS, paths, strict=True):
+        if not path.exists():
+            make_model(path, preset)
+    moe, dense = (Decoding(path, args.dtype, args.context, args.rounds + 5) for path in paths)
+    for _ in range(5):  # warm-up
+        moe.step(), dense.step()
+    times = [(moe.step(), dense.step()) for _ in range(args.rounds)]
+    moe_ms, dense_ms = (1e3 * statistics.median(t) for t in zip(*times, strict=True))
+    ratio = statistics.median(m / d for m, d in times)
+    print(moe.decoder.kernels.describe())
+    print(f"threads {torch.get_num_threads()}, context {args.context}, {args.rounds} rounds")
+    print(
+        f"batch-1 decode step: MoE {moe_ms:.2f} ms, dense {dense_ms:.2f} ms, "
+        f"MoE/dense {ratio:.2f}x (median of per-round ratios)"
+    )
+
+
+if __name__ == "__main__":
+    main()
