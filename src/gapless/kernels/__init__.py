@@ -138,18 +138,19 @@ class Kernels:
         plans: list[AttentionPlan],
         window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of the batch's queries q [T, H, D], whose own keys and values k, v
         [T, Hkv, D] (in the cache's dtype) are already in kv_cache, for a layer with this
-        window, each part as its plan says; softcap: its scores soft-capped (plans.py).
-        Returns [T, H * D] in q's dtype."""
+        window, each part as its plan says; softcap: its scores soft-capped; sinks [H]: a
+        logit per head that joins the softmax (plans.py). Returns [T, H * D] in q's dtype."""
         run_dtype = q.dtype
         q = as_dtype(q, kv_cache[0].dtype)
         if len(plans) == 1:
-            return as_dtype(plans[0].attend(q, k, v, kv_cache, window, softcap), run_dtype)
+            return as_dtype(plans[0].attend(q, k, v, kv_cache, window, softcap, sinks), run_dtype)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for plan in plans:
-            out[plan.rows] = plan.attend(q, k, v, kv_cache, window, softcap)
+            out[plan.rows] = plan.attend(q, k, v, kv_cache, window, softcap, sinks)
         return as_dtype(out, run_dtype)
 
     def describe(self) -> str:

@@ -90,21 +90,34 @@ def in_place(
     return out.transpose(0, 1).reshape(n, -1)  # [Hkv, n, G, D] -> [n, H * D]
 
 
-def softcapped(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, cap: float
+def explicit(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention whose scores are soft-capped before the softmax, cap * tanh(scores / cap)
-    (Gemma 2), computed explicitly: SDPA, the CPU flash op and our paged kernel take no cap.
+    """Attention with its scores computed explicitly, for what SDPA, the CPU flash op and our
+    paged kernel do not take: scores soft-capped before the softmax, cap * tanh(scores / cap)
+    (Gemma 2), and sinks, a logit per query head [H] that joins each softmax's denominator
+    and is then dropped (gpt-oss: a head's weights may sum to less than 1).
     B sequences' n queries each, q [B * n, H, D], over their keys and values [B, L, Hkv, D],
     each query seeing the keys where allowed [B, n, L] is True. Returns [B * n, H * D]."""
     b, _, kv_heads, dim = keys.shape
     n, heads = q.shape[0] // b, q.shape[1]
-    q = q.view(b, n, kv_heads, heads // kv_heads, dim)
+    group = heads // kv_heads
+    q = q.view(b, n, kv_heads, group, dim)
     scores = torch.einsum("bnkgd,blkd->bkgnl", q, keys) * dim**-0.5
-    scores = torch.tanh(scores / cap) * cap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    weights = scores.softmax(-1, dtype=torch.float32).to(values.dtype)
-    out = torch.einsum("bkgnl,blkd->bnkgd", weights, values)
+    if sinks is None:
+        weights = scores.softmax(-1, dtype=torch.float32)
+    else:
+        sink = sinks.view(1, kv_heads, group, 1, 1).to(scores.dtype).expand(b, -1, -1, n, 1)
+        weights = torch.cat((scores, sink), dim=-1).softmax(-1, dtype=torch.float32)[..., :-1]
+    out = torch.einsum("bkgnl,blkd->bnkgd", weights.to(values.dtype), values)
     return out.reshape(b * n, heads * dim)
 
 

@@ -12,10 +12,11 @@ decoder passes to `Kernels.attention` every layer. Each plan type is one path an
 
 A new attention path is one more plan type here, with `attend`, and its choice in `Planner`.
 
-Attention-logit soft-capping (Gemma 2) is not a path of its own: no fused op here takes a cap,
-and the runner plans a step without knowing the model. A layer with a cap passes it to
-`attend`, and every plan then computes its scores explicitly over the same keys under the same
-mask (attention.softcapped); without a cap each plan runs its fast path, unchanged.
+Attention-logit soft-capping (Gemma 2) and attention sinks (gpt-oss) are not paths of their
+own: no fused op here takes a cap or a sink, and the runner plans a step without knowing the
+model. A layer with a cap or sinks passes them to `attend`, and every plan then computes its
+scores explicitly over the same keys under the same mask (attention.explicit); without them
+each plan runs its fast path, unchanged.
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ class AttentionPlan(Protocol):
         cache: KVCache,
         window: int | None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """Attention of the batch's queries q [T, H, D] in this plan's rows, for a layer with
         this window, in the cache's dtype; their own keys and values k, v [T, Hkv, D] are
-        already in the cache (k_cache, v_cache). softcap: scores are soft-capped, computed
-        explicitly (see the module's docstring). Returns [len(rows), H * D]."""
+        already in the cache (k_cache, v_cache). softcap: scores are soft-capped; sinks [H]:
+        a logit per head joins the softmax; either computed explicitly (see the module's
+        docstring). Returns [len(rows), H * D]."""
         ...
 
 
@@ -82,8 +85,9 @@ class PagedPlan:
         cache: KVCache,
         window: int | None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
-        if softcap is None:
+        if softcap is None and sinks is None:
             return paged.paged_attention(
                 q[self.rows], *cache, self.key_blocks, self.num_keys, window
             )
@@ -94,7 +98,8 @@ class PagedPlan:
         # of its num_keys.
         query_pos = self.num_keys[:, None] - n + torch.arange(n, device=dev)
         delta = query_pos[..., None] - torch.arange(keys.shape[1], device=dev)
-        return attention.softcapped(q[self.rows], keys, values, _allowed(delta, window), softcap)
+        allowed = _allowed(delta, window)
+        return attention.explicit(q[self.rows], keys, values, allowed, softcap, sinks)
 
 
 @dataclass
@@ -126,9 +131,10 @@ class GatheredPlan:
         cache: KVCache,
         window: int | None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         mask, n = self.masks[window], self.num_queries
-        if softcap is None:
+        if softcap is None and sinks is None:
             return attention.gathered(
                 q[self.rows], *cache, self.key_blocks, n, mask, self.fold_heads
             )
@@ -139,7 +145,7 @@ class GatheredPlan:
         else:  # [B, 1, rows, L]; a folded chunk's rows are each query's, repeated per head
             mask = mask[:, 0]
             allowed = mask.view(mask.shape[0], n, -1, mask.shape[-1])[:, :, 0] == 0
-        return attention.softcapped(q[self.rows], keys, values, allowed, softcap)
+        return attention.explicit(q[self.rows], keys, values, allowed, softcap, sinks)
 
 
 @dataclass
@@ -163,9 +169,10 @@ class InPlacePlan:
         cache: KVCache,
         window: int | None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         rows = self.rows
-        if softcap is None:
+        if softcap is None and sinks is None:
             return attention.in_place(q[rows], k[rows], v[rows], *cache, self.runs)
         slots = torch.cat([torch.arange(first, first + n) for first, n in self.runs])
         slots = slots.to(q.device)
@@ -176,7 +183,7 @@ class InPlacePlan:
             keys, values = torch.cat((keys, k[rows])), torch.cat((values, v[rows]))
             own = torch.arange(n, device=q.device)
             allowed = torch.cat((allowed, _allowed(own[:, None] - own, None)), dim=1)
-        return attention.softcapped(q[rows], keys[None], values[None], allowed[None], softcap)
+        return attention.explicit(q[rows], keys[None], values[None], allowed[None], softcap, sinks)
 
 
 class Span(NamedTuple):
