@@ -244,7 +244,7 @@ def test_only_whole_groups_of_the_interleaved_types_interleave(ext):
         ext.interleave(weight(6, 32, 64), 6, 64)
 
 
-def test_an_interleaved_weight_only_multiplies():
+def test_an_interleaved_weight_multiplies_and_gathers_rows_only():
     if blocks.extension() is None:
         pytest.skip("our block kernels cannot be built here (no compiler or Python headers)")
     w = BlockQuant(weight(3, 32, 64), 3, 64)
@@ -254,9 +254,9 @@ def test_an_interleaved_weight_only_multiplies():
     assert not BlockLinear(BlockQuant(weight(3, 40, 64), 3, 64)).weight.interleaved
     x = torch.randn(3, 64)
     assert_close_to_sums(linear(x), blocks.gemv(x, w.blocks, 3), x, w.dequantize(), 1e-5)
+    index = torch.tensor([[17, 0], [31, 17]])  # rows of the second group and the first
+    assert torch.equal(linear.weight.rows(index), w.rows(index))
     for use in (
-        lambda q: q.rows(torch.tensor([0])),
-        lambda q: q.map_rows(lambda t: t),
         lambda q: q.column_slice(slice(0, 32)),
         lambda q: BlockQuant.cat([q, q]),
     ):

@@ -108,9 +108,9 @@ class Kernels:
         """The vocabulary projection. GGUF blocks, and a dense one in a run with reduced_dtype,
         are read narrow and their best logits made exact (see NarrowLinear): every decode step
         reads all of it, and in float32 it took a quarter of the default model's step."""
-        if isinstance(weight, BlockQuant):  # its rows stay gatherable: often the embeddings'
-            narrow = BlockLinear(weight, None, self.int_kernel_max_rows, self.reduced_dtype, False)
-            return NarrowLinear(weight, narrow, None)
+        if isinstance(weight, BlockQuant):  # interleaved where it can be: see Decoder
+            narrow = BlockLinear(weight, None, self.int_kernel_max_rows, self.reduced_dtype)
+            return NarrowLinear(narrow.weight, narrow, None)
         if self.reduced_dtype is None or isinstance(weight, GroupQuant):
             return self.linear(weight)
         narrow = self.linear(weight.to(self.reduced_dtype))

@@ -51,6 +51,12 @@ def interleave(blocks: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
     return extension().interleave(blocks, qtype, cols)  # type: ignore[union-attr]
 
 
+def take_rows(blocks: torch.Tensor, qtype: int, cols: int, index: torch.Tensor) -> torch.Tensor:
+    """Rows index [n] of interleaved blocks (as `interleave` gives them), in the file's layout:
+    an embedding lookup from them."""
+    return extension().take_rows(blocks, qtype, cols, index, True)  # type: ignore[union-attr]
+
+
 def dequantize(
     blocks: torch.Tensor,
     qtype: int,

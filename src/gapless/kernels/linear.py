@@ -181,8 +181,7 @@ class BlockLinear:
 
     With `interleave`, the types our kernels interleave (Q4_0, Q4_1, Q8_0) are held with
     their rows interleaved by 16 instead of the file's layout, in place of it: the same
-    bytes, on which a decode step unpacks and scales 16 rows per vector instruction. Not for
-    a weight shared with another reader (a tied lm_head's embeddings gather rows).
+    bytes, on which a decode step unpacks and scales 16 rows per vector instruction.
     """
 
     def __init__(

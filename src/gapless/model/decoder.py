@@ -184,6 +184,13 @@ class Decoder:
         logit_softcap: logits become cap * tanh(logits / cap) (Gemma 2)."""
         self.config = config
         self.kernels = kernels
+        head = getattr(lm_head, "weight", None)
+        tied = config.tie_word_embeddings and isinstance(embed, BlockQuant)
+        if tied and isinstance(head, BlockQuant) and head.interleaved:
+            # The embeddings' own blocks, which the tied lm_head holds interleaved
+            # (Kernels.lm_head): lookups gather rows from them too, and the file's layout is
+            # let go: one copy.
+            embed = head
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm

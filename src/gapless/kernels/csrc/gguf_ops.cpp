@@ -100,21 +100,27 @@ struct Weight {
   template <bool kToGroup>
   static void permute_group(const gg::BlockType& t, uint8_t* group, uint8_t* rows,
                             int64_t row_bytes, int64_t nblocks) {
+    for (int64_t r = 0; r < gg::kGroupRows; ++r)
+      permute_row<kToGroup>(t, group, rows + r * row_bytes, r, nblocks);
+  }
+
+  // One row, `lane` of its group, likewise.
+  template <bool kToGroup>
+  static void permute_row(const gg::BlockType& t, uint8_t* group, uint8_t* row, int64_t lane,
+                          int64_t nblocks) {
     const int64_t g = gg::kGroupRows, fields = t.block_bytes - t.code_bytes;
-    const auto move = [](uint8_t* in_group, uint8_t* in_rows, size_t n) {
+    const auto move = [](uint8_t* in_group, uint8_t* in_row, size_t n) {
       if constexpr (kToGroup)
-        std::memcpy(in_group, in_rows, n);
+        std::memcpy(in_group, in_row, n);
       else
-        std::memcpy(in_rows, in_group, n);
+        std::memcpy(in_row, in_group, n);
     };
     for (int64_t b = 0; b < nblocks; ++b) {
       uint8_t* dst = group + b * g * t.block_bytes;
-      for (int64_t r = 0; r < g; ++r) {
-        uint8_t* block = rows + r * row_bytes + b * t.block_bytes;
-        for (int64_t i = 0; i < fields; i += 2) move(dst + i * g + 2 * r, block + i, 2);
-        for (int64_t i = 0; i < t.code_bytes; i += 4)
-          move(dst + (fields + i) * g + 4 * r, block + fields + i, 4);
-      }
+      uint8_t* block = row + b * t.block_bytes;
+      for (int64_t i = 0; i < fields; i += 2) move(dst + i * g + 2 * lane, block + i, 2);
+      for (int64_t i = 0; i < t.code_bytes; i += 4)
+        move(dst + (fields + i) * g + 4 * lane, block + fields + i, 4);
     }
   }
 };
@@ -167,6 +173,29 @@ at::Tensor interleave(const at::Tensor& blocks, int64_t qtype, int64_t cols) {
                                   w.row_bytes, w.nblocks);
     }
   });
+  return out;
+}
+
+// Rows `index` [n] of the blocks, in the file's layout: an embedding lookup's.
+at::Tensor take_rows(const at::Tensor& blocks, int64_t qtype, int64_t cols, const at::Tensor& index,
+                     bool interleaved) {
+  const Weight w(block_type(qtype), blocks, cols, interleaved);
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 1, "index must be int64 [n]");
+  const at::Tensor idx = index.contiguous();
+  const int64_t n = idx.size(0), rows = blocks.size(0);
+  at::Tensor out = at::empty({n, w.row_bytes}, blocks.options());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = idx.data_ptr<int64_t>()[i];
+    TORCH_CHECK(r >= 0 && r < rows, "row ", r, " is outside the ", rows, " rows");
+    uint8_t* dst = out.data_ptr<uint8_t>() + i * w.row_bytes;
+    if (!interleaved) {
+      std::memcpy(dst, w.data + r * w.row_bytes, w.row_bytes);
+    } else {
+      const int64_t first = r / gg::kGroupRows * gg::kGroupRows;  // of its group
+      uint8_t* group = const_cast<uint8_t*>(w.data) + first * w.row_bytes;
+      Weight::permute_row<false>(w.t, group, dst, r - first, w.nblocks);
+    }
+  }
   return out;
 }
 
@@ -288,6 +317,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return t != nullptr && t->code_bytes > 0;
   });
   m.def("interleave", &interleave, "GGUF blocks [R, row bytes] with rows interleaved by 16");
+  m.def("take_rows", &take_rows, "rows of GGUF blocks, interleaved or not, in the file's layout");
   using pybind11::arg;
   m.def("dequantize", &dequantize, "GGUF blocks [R, row bytes] to [R, cols] in dtype",
         arg("blocks"), arg("qtype"), arg("cols"), arg("dtype"), arg("interleaved") = false);
