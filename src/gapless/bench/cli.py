@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from gapless.bench import capacity
-from gapless.bench.client import RequestRecord, run_requests, served_max_model_len
+from gapless.bench.client import (
+    RequestRecord,
+    acceptance,
+    run_requests,
+    served_max_model_len,
+    speculation_counts,
+)
 from gapless.bench.compare import ServerError, ServerProcess, parse_configs
 from gapless.bench.engine_only import engine_for, run_engine
 from gapless.bench.metrics import compute_metrics, parse_slo
@@ -285,11 +291,12 @@ def _run_entry(
     slo: dict[str, float],
     flags: list[str] | None,
     url: str | None,
+    speculation: dict[str, Any],
 ) -> dict[str, Any]:
     return {
         "server_flags": None if flags is None else " ".join(flags),
         "url": url,
-        "metrics": compute_metrics(records, duration, slo),
+        "metrics": {**compute_metrics(records, duration, slo), **speculation},
         "requests": [r.to_dict() for r in records],
     }
 
@@ -316,13 +323,15 @@ def bench_main(args: argparse.Namespace) -> int:
         try:
             with _serving(args, name, flags, model, out) as url:
                 _warm_up(args, url, model, requests[0].prompt)
+                before = speculation_counts(url)
                 records, duration = asyncio.run(
                     run_requests(url, model, requests, **_client_options(args))
                 )
+                speculation = acceptance(before, speculation_counts(url))
         except ServerError as exc:
             print(f"error: {name}: {exc}", file=sys.stderr)
             return 1
-        runs[name] = _run_entry(records, duration, slo, flags, url)
+        runs[name] = _run_entry(records, duration, slo, flags, url, speculation)
         records_by_config[name] = records
         if args.engine_only and flags is not None:
             print(f"== {name}/engine: the same requests, engine only", file=sys.stderr)
@@ -331,9 +340,13 @@ def bench_main(args: argparse.Namespace) -> int:
                 engine,
                 [BenchRequest(-1 - i, 0.0, requests[0].prompt[:8], 4) for i in range(args.warmup)],
             )
+            counts = engine.metrics
+            before = (counts.speculative_proposed_tokens, counts.speculative_accepted_tokens)
             records, duration = run_engine(engine, requests)
+            after = (counts.speculative_proposed_tokens, counts.speculative_accepted_tokens)
             del engine
-            runs[f"{name}/engine"] = _run_entry(records, duration, slo, flags, None)
+            speculation = acceptance(before, after)
+            runs[f"{name}/engine"] = _run_entry(records, duration, slo, flags, None, speculation)
             records_by_config[f"{name}/engine"] = records
 
     results = {

@@ -157,7 +157,9 @@ async def send_request(
     """Stream one completion, stamping every event relative to `t0` (a perf_counter value)."""
     body: dict[str, Any] = {
         "model": model,
-        "prompt": text_prompt(req.prompt) if use_text else req.prompt,
+        "prompt": text_prompt(req.prompt)
+        if use_text and isinstance(req.prompt, list)
+        else req.prompt,
         "max_tokens": req.max_tokens,
         "temperature": 0,
         "stream": True,
@@ -248,6 +250,44 @@ async def run_requests(
             records = await asyncio.gather(*(one(r) for r in requests))
     duration = time.perf_counter() - t0
     return sorted(records, key=lambda r: r.rid), duration
+
+
+# The counters of speculative decoding in our server's /metrics (server/metrics.py).
+SPECULATION_COUNTERS = (
+    "gapless_speculative_proposed_tokens_total",
+    "gapless_speculative_accepted_tokens_total",
+)
+
+
+def speculation_counts(url: str, timeout_s: float = 30.0) -> tuple[float, float] | None:
+    """Proposed and accepted speculative tokens so far, from the server's /metrics; None from a
+    server that exports neither (another server, or none at all)."""
+    try:
+        resp = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s)
+        resp.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    values = {}
+    for line in resp.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in SPECULATION_COUNTERS:
+            values[name] = float(value)
+    if len(values) < len(SPECULATION_COUNTERS):
+        return None
+    proposed, accepted = (values[name] for name in SPECULATION_COUNTERS)
+    return proposed, accepted
+
+
+def acceptance(before: tuple[float, float] | None, after: tuple[float, float] | None) -> dict:
+    """The run's speculative tokens, from the counts before and after it: proposed, accepted
+    and their ratio (None where unknown, or nothing was proposed)."""
+    if before is None or after is None:
+        return {}
+    proposed, accepted = after[0] - before[0], after[1] - before[1]
+    return {
+        "speculative_proposed": int(proposed),
+        "speculative_acceptance": accepted / proposed if proposed else None,
+    }
 
 
 def served_max_model_len(url: str, model: str, timeout_s: float = 30.0) -> int | None:

@@ -55,6 +55,7 @@ def run_engine(engine: Engine, requests: list[BenchRequest]) -> tuple[list[Reque
             elif isinstance(event, ProgressEvent):
                 record.progress.append((t, event.processed, event.total))
             elif isinstance(event, FinishedEvent):
+                record.prompt_tokens = event.prompt_tokens  # a text prompt's counted as tokens
                 record.completion_tokens = event.completion_tokens
                 if event.finish_reason == "error":
                     record.error = event.error

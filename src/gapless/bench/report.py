@@ -22,6 +22,8 @@ TABLE_ROWS = [
     ("duration_s", "duration (s)", ".2f"),
     ("request_throughput", "request throughput (req/s)", ".3f"),
     ("output_throughput", "output throughput (tok/s)", ".1f"),
+    ("speculative_proposed", "speculative tokens proposed", "d"),
+    ("speculative_acceptance", "speculative acceptance (accepted/proposed)", ".3f"),
     ("total_token_throughput", "total throughput (tok/s)", ".1f"),
     ("goodput", "goodput (req/s)", ".3f"),
     ("ttft_ms_p50", "TTFT p50 (ms)", ".1f"),

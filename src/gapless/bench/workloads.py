@@ -26,7 +26,7 @@ CHAT_OUTPUT_LOGNORMAL = lognormal_fit(415, 834)
 class BenchRequest:
     rid: int
     arrival_s: float  # offset from bench start
-    prompt: list[int]
+    prompt: list[int] | str  # token ids, or a text (the input-grounded workload's)
     max_tokens: int
     tag: str = ""  # "long" marks the stall workload's long prompt
     # Disconnect after this many output tokens (decode-phase cancel) ...
@@ -40,7 +40,7 @@ class WorkloadSpec:
     name: str
     seed: int = 0
     vocab_size: int = 32000
-    # stall
+    # stall, grounded
     num_streams: int = 4
     stream_prompt_tokens: int = 64
     stream_tokens: int = 256
@@ -150,7 +150,81 @@ def chat(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
     ]
 
 
-_BUILDERS = {"stall": stall, "mixed": mixed, "prefix": prefix, "cancel": cancel, "chat": chat}
+# The input-grounded workload's document: a Python module of about 300 tokens, which each
+# request asks to be copied. Its names come from the seed, so no two requests share a prefix
+# that a prefix cache could serve.
+_MODULE = '''"""Reading {thing} records from a text file, one per line."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class {Thing}:
+    name: str
+    weight: float
+    tags: list[str]
+
+
+def parse_{thing}(line: str) -> {Thing}:
+    """A line such as "anchor; 12.5; iron, heavy" as a {Thing}."""
+    name, weight, tags = (part.strip() for part in line.split(";"))
+    if not name:
+        raise ValueError(f"a {thing} needs a name: {{line!r}}")
+    return {Thing}(name, float(weight), [t.strip() for t in tags.split(",") if t.strip()])
+
+
+def load_{thing}s(path: str, limit: int = {limit}) -> list[{Thing}]:
+    """Every {thing} in the file, skipping blank lines and comments, at most limit."""
+    found = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip() or line.startswith("#"):
+                continue
+            try:
+                found.append(parse_{thing}(line))
+            except ValueError as error:
+                raise ValueError(f"line {{number}}: {{error}}") from None
+            if len(found) == limit:
+                break
+    return found
+
+
+def heaviest(items: list[{Thing}], count: int = {count}) -> list[str]:
+    """The names of the count heaviest, heaviest first."""
+    ranked = sorted(items, key=lambda item: item.weight, reverse=True)
+    return [item.name for item in ranked[:count]]
+'''
+_THINGS = ("parcel", "crate", "sample", "ingot", "barrel", "bundle", "canister", "satchel")
+
+
+def grounded(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
+    """Input-grounded requests, all at once: copy a given module (text prompts). `num_streams`
+    of them, each a different module, `stream_tokens` output tokens each."""
+    reqs = []
+    for i in range(spec.num_streams):
+        thing = f"{_THINGS[rng.integers(len(_THINGS))]}{i}"
+        module = _MODULE.format(
+            thing=thing,
+            Thing=thing.capitalize(),
+            limit=int(rng.integers(100, 1000)),
+            count=int(rng.integers(3, 10)),
+        )
+        prompt = (
+            f"Copy the file below exactly.\n\n### {thing}.py\n```python\n{module}```\n\n"
+            f"### {thing}.py (copy)\n```python\n"
+        )
+        reqs.append(BenchRequest(i, 0.0, prompt, spec.stream_tokens))
+    return reqs
+
+
+_BUILDERS = {
+    "stall": stall,
+    "mixed": mixed,
+    "prefix": prefix,
+    "cancel": cancel,
+    "chat": chat,
+    "grounded": grounded,
+}
 
 
 def build_workload(spec: WorkloadSpec) -> list[BenchRequest]:
