@@ -169,6 +169,30 @@ _ARCH_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "MixtralConfig",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 24},
     ),
+    # 3 layers: windowed (24), full, windowed; YaRN as gpt-oss-20b's but for a 64-token
+    # original context; a SwiGLU limit low enough to clamp these random weights' gates.
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "sliding_window": 24,
+            "swiglu_limit": 2.0,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
 }
 
 
@@ -197,7 +221,7 @@ def _perturb_constant_params(model: Any, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith("bias"):  # gpt-oss's experts' too: gate_up_proj_bias
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
             elif "norm" in name:
                 param.add_(torch.randn(param.shape, generator=gen) * 0.1)

@@ -1,12 +1,14 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral) compute what transformers computes: on tiny random
-checkpoints built with transformers' own classes (tests/checkpoints.py), prompt logprobs within
-1e-4 in float32 and the same greedy tokens, however the batch is cut, and over two
-tensor-parallel ranks; their GGUF files (the experts as llama.cpp stacks them) as the
+"""Mixtures of experts (Qwen3-MoE, Mixtral, gpt-oss) compute what transformers computes: on
+tiny random checkpoints built with transformers' own classes (tests/checkpoints.py), prompt
+logprobs within 1e-4 in float32 and the same greedy tokens, however the batch is cut, and over
+two tensor-parallel ranks; their GGUF files (the experts as llama.cpp stacks them) as the
 checkpoints, quantized experts in their blocks; and the experts of a step run grouped, each
 once over all of its tokens.
 """
 
 from __future__ import annotations
+
+import json
 
 import gguf
 import pytest
@@ -29,6 +31,7 @@ from gapless.engine.runner import ModelRunner
 from gapless.kernels.linear import BlockLinear, PlainLinear
 from gapless.kernels.moe import Experts
 from gapless.kernels.quant import BlockQuant
+from gapless.model.config import ConfigError, ModelConfig
 from gapless.model.families.qwen3_moe import MoeLayer
 from gapless.model.gguf import load_gguf
 from gapless.model.loader import load_decoder
@@ -42,7 +45,9 @@ VARIANTS = {
         {"norm_topk_prob": False, "mlp_only_layers": [], "decoder_sparse_step": 2},
     ),
     "mixtral": ("mixtral", {}),
+    "gpt_oss": ("gpt_oss", {}),
 }
+ARCHS = ["qwen3_moe", "mixtral", "gpt_oss"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -53,12 +58,12 @@ def test_prompt_logprobs_and_greedy_tokens_match_transformers(checkpoint, varian
     hf = hf_model(path)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
-        # By hand: generate's min_new_tokens would forbid the end tokens, which ignore_eos allows.
-        greedy = ids[:30]
-        for _ in range(40):
-            greedy = greedy + [int(hf(torch.tensor([greedy])).logits[0, -1].argmax())]
+        # No end token (ignore_eos below): min_new_tokens would forbid them instead.
+        greedy = hf.generate(
+            torch.tensor([ids[:30]]), max_new_tokens=40, do_sample=False, eos_token_id=None
+        )[0, 30:].tolist()
     llm = LLM(path, dtype="float32", prefill_chunk=16)
-    sparse = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers]
+    sparse = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
     assert [isinstance(layer, MoeLayer) for layer in llm.engine.decoder.layers] == sparse
     params = SamplingParams(max_tokens=1, prompt_logprobs=1, ignore_eos=True)
     out = llm.generate([ids], params)[0]
@@ -68,22 +73,22 @@ def test_prompt_logprobs_and_greedy_tokens_match_transformers(checkpoint, varian
     )
     assert diff < 1e-4
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    assert llm.generate([ids[:30]], params)[0].token_ids == greedy[30:]
+    assert llm.generate([ids[:30]], params)[0].token_ids == greedy
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_chunks_that_cut_windows_equal_one_call(checkpoint, arch, kernels_choice):
     decoder = load_decoder(checkpoint(arch), "float32")
     check_chunked_prefill_equals_one_call(ModelRunner(decoder, 32, 16))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_ragged_batch_equals_each_sequence_alone(checkpoint, arch):
     decoder = load_decoder(checkpoint(arch), "float32")
     check_ragged_batch_equals_each_sequence_alone(ModelRunner(decoder, 64, 16))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_two_ranks_give_one_ranks_logits(checkpoint, tp2, arch):  # noqa: F811
     # Each rank holds half of every expert's intermediate rows (and of the dense layer's).
     path = checkpoint(arch)
@@ -192,3 +197,10 @@ def test_quantized_experts_run_in_their_blocks_as_dequantized(
     got = run_chunks(ModelRunner(decoder, 8, 16), Seq(ids, 0), [28, 1, 1, 1, 1])
     row_err = (got - want).abs().amax(-1) / want.abs().amax(-1)
     assert row_err.median().item() < 0.05 and mean_kl(want, got) < 5e-3
+
+
+def test_mxfp4_gpt_oss_is_refused_saying_how_to_dequantize(checkpoint):
+    raw = json.loads((checkpoint("gpt_oss") / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4"}  # as OpenAI's checkpoints have it
+    with pytest.raises(ConfigError, match=r"MXFP4 .*Mxfp4Config\(dequantize=True\)"):
+        ModelConfig.from_dict(raw)

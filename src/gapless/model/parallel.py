@@ -135,10 +135,13 @@ def shard_weights(
         "mlp.experts.down_proj": expert_rows,
         "block_sparse_moe.experts.w2": expert_rows,
     }
+    heads = slice(rank * local.num_heads, (rank + 1) * local.num_heads)
     for name in list(w):
         # model.layers.{i}.{module}.{weight or bias}; every expert's module as one
         module, _, kind = _EXPERT.sub("experts.", name.split(".", 3)[-1]).rpartition(".")
-        if module in rows:
+        if module == "self_attn" and kind == "sinks":  # one per query head (gpt-oss)
+            w[name] = w[name][heads].clone()  # type: ignore[index]
+        elif module in rows:
             w[name] = _rows(w[name], rows[module], dtype)
         elif module in columns and kind == "weight":
             w[name] = _columns(w[name], columns[module], dtype)

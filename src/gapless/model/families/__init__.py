@@ -26,9 +26,27 @@ from __future__ import annotations
 from types import ModuleType
 
 from gapless.model.config import ConfigError
-from gapless.model.families import gemma2, gemma3, llama, mixtral, phi3, qwen3_moe, smollm3
+from gapless.model.families import (
+    gemma2,
+    gemma3,
+    gpt_oss,
+    llama,
+    mixtral,
+    phi3,
+    qwen3_moe,
+    smollm3,
+)
 
-FAMILIES: tuple[ModuleType, ...] = (llama, gemma3, phi3, smollm3, gemma2, qwen3_moe, mixtral)
+FAMILIES: tuple[ModuleType, ...] = (
+    llama,
+    gemma3,
+    phi3,
+    smollm3,
+    gemma2,
+    qwen3_moe,
+    mixtral,
+    gpt_oss,
+)
 
 
 def family_of(architecture: str | None) -> ModuleType:

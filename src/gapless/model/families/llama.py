@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -132,6 +132,8 @@ class PreNormLayer:
     rope: Rope | None  # None: no rotary embedding (SmolLM3's NoPE layers)
     window: int | None
     cfg: LlamaConfig
+    # A logit per head that joins each softmax's denominator (gpt-oss's attention sinks).
+    sinks: torch.Tensor | None = field(default=None, kw_only=True)
 
     def forward(self, x: torch.Tensor, step: Step, kv_cache: KVCache) -> torch.Tensor:
         cfg = self.cfg
@@ -148,7 +150,7 @@ class PreNormLayer:
             qk = torch.cat((q, k), dim=1)
         if self.rope is not None:
             qk = apply_rope(qk, *step.rotation(self.rope))
-        attn = step.attend(qk[:, :heads], qk[:, heads:], v, kv_cache, self.window)
+        attn = step.attend(qk[:, :heads], qk[:, heads:], v, kv_cache, self.window, sinks=self.sinks)
         x = x + step.all_reduce(self.o(attn))
         h = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
         return x + step.all_reduce(self.mlp(h))
@@ -188,6 +190,7 @@ def attention_parts(
         "q_norm": w.take_optional(attn + "q_norm.weight"),
         "k_norm": w.take_optional(attn + "k_norm.weight"),
         "post_norm": w.take(p + "post_attention_layernorm.weight"),
+        "sinks": w.take_optional(attn + "sinks"),
         "rope": rope,
         "window": window,
         "cfg": cfg,

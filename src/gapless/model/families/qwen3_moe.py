@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from gapless.kernels import Linear
-from gapless.kernels.moe import Experts
-from gapless.model.decoder import Body, RMSNorm
+from gapless.kernels.moe import Experts, Glu, swiglu
+from gapless.model.decoder import Body, RMSNorm, Rope
 from gapless.model.families import common, llama
 from gapless.model.families.common import Meta, Shapes
 from gapless.model.families.llama import LlamaConfig
@@ -164,9 +164,18 @@ class MoeLayer(llama.PreNormLayer):
         return self.moe(h)
 
 
-def build_layers(cfg: MoeConfig, w: Weights, route: Route, names: MoeNames) -> Body:
-    """The layers, sparse ones routing by `route`; dense ones are Llama's."""
-    rope = llama.default_rope(cfg, w.device)
+def build_layers(
+    cfg: MoeConfig,
+    w: Weights,
+    route: Route,
+    names: MoeNames,
+    rope: Rope | None = None,
+    glu: Glu = swiglu,
+) -> Body:
+    """The layers, sparse ones routing by `route`, their experts gated by `glu`; dense ones
+    are Llama's. rope: one other than the config's."""
+    if rope is None:
+        rope = llama.default_rope(cfg, w.device)
     layers: list[llama.PreNormLayer] = []
     for i, (window, sparse) in enumerate(zip(cfg.layer_windows, cfg.sparse_layers, strict=True)):
         parts = llama.attention_parts(cfg, w, i, rope, window)
@@ -180,11 +189,14 @@ def build_layers(cfg: MoeConfig, w: Weights, route: Route, names: MoeNames) -> B
         moe = SparseMoe(
             # Not quantized by --quantize (nor by llama.cpp's quantizer): routing decides
             # which experts run at all.
-            router=w.kernels.linear(w.take(p + names.router + ".weight")),
+            router=w.kernels.linear(
+                w.take(p + names.router + ".weight"), w.take_optional(p + names.router + ".bias")
+            ),
             route=route,
             experts=Experts(
                 [w.linear(e + names.gate, e + names.up) for e in experts],
                 [w.linear(e + names.down) for e in experts],
+                glu,
             ),
         )
         layers.append(MoeLayer(**parts, moe=moe))
