@@ -15,10 +15,12 @@ from gapless.engine import engine as engine_module
 from gapless.engine import scheduler as scheduler_module
 from gapless.engine.engine import Engine, EngineConfig
 from gapless.engine.events import FinishedEvent, TokenEvent
-from gapless.engine.request import Request
+from gapless.engine.request import Request, RequestState
 from gapless.engine.sampling_params import SamplingParams
+from gapless.engine.scheduler import Scheduler, SchedulerConfig
 from gapless.engine.speculation import Speculation
 from gapless.engine.structured import regex_grammar
+from gapless.kv.block_pool import BlockPool
 from gapless.kv.prefix_cache import block_hashes
 from gapless.model.default_model import installed_default_model
 
@@ -343,3 +345,50 @@ def test_acceptance_sets_how_many_tokens_a_request_proposes():
     # Worth nothing now: nothing proposed, but for one token every PROBE_EVERY steps.
     limits = [speculation.limit() for _ in range(16)]
     assert limits.count(1) == 2 and set(limits) == {0, 1}
+
+
+def decoding(scheduler: Scheduler, seed: int) -> Request:
+    """A request decoding after a looping prompt (prompt lookup has a proposal for it)."""
+    tokens = prompt(6, seed) * 4
+    req = Request(str(seed), tokens, greedy(64), speculation=Speculation(5))
+    scheduler.add(req)
+    [chunk] = [c for c in scheduler.schedule() if c.request is req]
+    req.num_computed += chunk.num_tokens
+    req.output_ids.append(tokens[0])
+    req.state = RequestState.DECODING
+    return req
+
+
+def test_proposals_take_only_what_prompt_chunks_and_the_batch_leave():
+    def drafts(scheduler: Scheduler, waiting: int = 0) -> tuple[int, list[int]]:
+        if waiting:
+            scheduler.add(Request("p", prompt(waiting), greedy(1)))
+        chunks = scheduler.schedule()
+        prompt_tokens = sum(c.num_tokens for c in chunks if not c.request.is_decoding)
+        for c in chunks:  # as the engine does after a verification that accepted nothing
+            if c.draft:
+                c.request.speculation.observe(len(c.draft), 0)
+        return prompt_tokens, [len(c.draft) for c in chunks if c.request.is_decoding]
+
+    config = SchedulerConfig(prefill_chunk=32, idle_prefill_chunk=32)
+    plain = Scheduler(config, BlockPool(512, 16))
+    for seed in range(3):
+        decoding(plain, seed)
+    assert drafts(plain) == (0, [2, 2, 2])  # what an unknown acceptance rate is worth
+    # A prompt takes the budget first: 32 tokens of a long one leave nothing to verify ...
+    assert drafts(plain, waiting=100) == (32, [0, 0, 0])
+    # ... a short one leaves some.
+    short = Scheduler(config, BlockPool(512, 16))
+    for seed in range(3):
+        decoding(short, seed)
+    assert drafts(short, waiting=28) == (28, [2, 2, 0])
+    # Under a latency target that leaves no room, prompts still move, proposals do not.
+    target = Scheduler(config, BlockPool(512, 16), lambda contexts, start: 0)
+    for seed in range(3):
+        decoding(target, seed)
+    assert drafts(target, waiting=100) == (config.min_prefill_chunk, [0, 0, 0])
+    # A large batch verifies at most VERIFY_ROWS rows: 14 decodes leave 2 proposals.
+    batch = Scheduler(config, BlockPool(512, 16))
+    for seed in range(14):
+        decoding(batch, seed)
+    assert sorted(drafts(batch)[1]) == [0] * 13 + [2]
