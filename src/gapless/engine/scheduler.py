@@ -15,8 +15,9 @@ Each step is one hybrid batch:
 4. What the prompts leave of the budget goes to speculation (speculation.py): decodes, in
    admission order, get proposed tokens to verify in the same forward, at most VERIFY_ROWS
    rows of decodes and proposals in all, and only into free KV (no one is preempted for a
-   proposal). So speculation shrinks before prompt chunks do, and turns itself off at
-   large batch, where a decode step is no longer bound by reading the weights.
+   proposal). So speculation shrinks before prompt chunks do, and narrows as the batch
+   grows: each request proposes fewer (a verified row is worth less beside more decodes),
+   and none from VERIFY_ROWS decodes on.
 A request marked whole_prefill (submit(), or chunking off) takes its whole prompt at once.
 
 A request for n choices prefills its prompt once; the other n - 1 then fork from it (fork()).
@@ -33,10 +34,9 @@ from gapless.engine.request import Request, RequestState
 from gapless.kv.block_pool import BlockPool
 from gapless.kv.prefix_cache import block_hashes, match_prefix
 
-# Rows of decodes and proposed tokens that a step verifies at about the cost of one decode:
-# the GGUF block kernels multiply up to 16 rows as one pass over the weights (BlockLinear's
-# gemv_max_rows), and float linears on a few cores stay bound by reading the weights up to
-# about as many.
+# Rows of decodes and proposed tokens a step holds at most. The GGUF block kernels multiply up
+# to 16 rows on their integer path (BlockLinear's gemv_max_rows); a 17th row sends the step
+# to the dequantizing path: on SmolLM2's Q4_1 file, 30 ms for 16 rows, 115 ms for 17.
 VERIFY_ROWS = 16
 
 
@@ -224,7 +224,7 @@ class Scheduler:
             if self.max_model_len is not None:
                 most = min(most, self.max_model_len - request.num_tokens - 1)
             most = min(most, self._room(request) - 1)
-            draft = request.speculation.propose(request, most) if most > 0 else []
+            draft = request.speculation.propose(request, most, len(decodes)) if most > 0 else []
             if draft and self._reserve(request, 1 + len(draft)):
                 chunk.draft = draft
                 chunk.num_tokens += len(draft)

@@ -36,10 +36,10 @@ NGRAM_MAX = 4
 NGRAM_MIN = 2
 _WIDTH = 4  # bytes per token id in the searched buffer
 
-# A proposal is worth verifying while the chance that it is accepted, all before it being
-# accepted too, stays above this: at batch 1 a verified token costs a few percent of a
-# decode step, and a rejected run costs what its tokens cost.
-WORTH = 0.25
+# What verifying one more row costs, as a share of a decode step at batch 1: on this
+# project's CPU, SmolLM2's Q4_1 file on one thread took 7.4 ms a decode and about 1.5 ms more
+# a verified row (CPU time), so a row is no free ride even where the weights' bytes dominate.
+ROW_COST = 0.2
 # Accepted and rejected counts decay by this at each verification: about the last four
 # verifications decide.
 DECAY = 0.75
@@ -69,11 +69,14 @@ class Speculation:
         rejection), with one of each assumed beforehand."""
         return (self.accepted + 1) / (self.accepted + self.rejected + 2)
 
-    def limit(self) -> int:
-        """How many tokens to propose now: the longest run whose last token is still worth
-        verifying, acceptance ** k >= WORTH; at 0, one token every PROBE_EVERY steps."""
-        alpha = self.acceptance
-        k = math.floor(math.log(WORTH) / math.log(alpha)) if alpha < 1 else self.max_tokens
+    def limit(self, batch: int) -> int:
+        """How many tokens to propose now, beside `batch` decodes: the longest run whose last
+        token is still worth its row, acceptance ** k >= worth; at 0, one token every
+        PROBE_EVERY steps. A step of b decodes costs about 1 + ROW_COST * (b - 1) decode
+        steps at batch 1, so a row costs ROW_COST * b / (1 + ROW_COST * (b - 1)) of what the
+        step's tokens cost each: a fifth at batch 1, half at batch 4, four fifths at 16."""
+        worth = ROW_COST * batch / (1 + ROW_COST * (batch - 1))
+        k = math.floor(math.log(worth) / math.log(self.acceptance))
         k = min(k, self.max_tokens)
         if k > 0:
             return k
@@ -88,11 +91,12 @@ class Speculation:
         self.accepted = DECAY * self.accepted + accepted
         self.rejected = DECAY * self.rejected + (accepted < proposed)
 
-    def propose(self, request: Request, most: int) -> list[int]:
-        """Up to `most` tokens to follow the request's prompt and output: what followed the
-        latest earlier occurrence of its last NGRAM_MAX tokens, else of fewer, down to
-        NGRAM_MIN. (Its tokens only ever grow: rejected proposals never join them.)"""
-        k = min(most, self.limit())
+    def propose(self, request: Request, most: int, batch: int) -> list[int]:
+        """Up to `most` tokens to follow the request's prompt and output, beside `batch`
+        decodes: what followed the latest earlier occurrence of its last NGRAM_MAX tokens,
+        else of fewer, down to NGRAM_MIN. (Its tokens only ever grow: rejected proposals
+        never join them.)"""
+        k = min(most, self.limit(batch))
         if k <= 0:
             return []
         data, total = self._tokens, request.num_tokens
