@@ -133,6 +133,8 @@ def test_experts_run_once_each_over_all_their_tokens():
         count = int((chosen == e).sum())
         for kind in (gate_up, downs):  # one call per chosen expert, over all of its tokens
             assert kind[e].rows == ([count] if count else [])
+    lone = Experts(gate_up, downs)(x[:1], chosen[:1], weights[:1])  # a lone decode's path
+    assert (lone - want[:1]).abs().max().item() < 1e-4
 
 
 def moe_layers(decoder) -> list[MoeLayer]:
