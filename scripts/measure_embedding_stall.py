@@ -58,6 +58,8 @@ def stream(url: str, index: int, times: list[float], stop: threading.Event) -> N
         "ignore_eos": True,
         "temperature": 0,
         "stream": True,
+        # One token a step, so that each gap is a step (speculation can emit several).
+        "speculate": False,
     }
     with (
         httpx.Client(base_url=url, timeout=600) as client,
