@@ -162,3 +162,16 @@ def test_stall_and_prefix_shapes():
     assert any(r.cancel_after_s is not None for r in cancel)
     assert any(r.cancel_after_tokens is not None for r in cancel)
     assert all((r.cancel_after_s is None) != (r.cancel_after_tokens is None) for r in cancel)
+
+
+def test_text_workloads_are_distinct_and_seeded():
+    # grounded: each request copies a module of its own, so no prefix cache serves another's;
+    # story: free generation from different openings.
+    for name in ("grounded", "story"):
+        spec = WorkloadSpec(name, seed=5, num_streams=4, stream_tokens=32)
+        reqs = build_workload(spec)
+        assert reqs == build_workload(spec)
+        assert [(r.arrival_s, r.max_tokens) for r in reqs] == [(0.0, 32)] * 4
+        assert all(isinstance(r.prompt, str) for r in reqs)
+    copies = build_workload(WorkloadSpec("grounded", num_streams=3))
+    assert len({r.prompt.split("```python\n")[1][:80] for r in copies}) == 3

@@ -221,9 +221,14 @@ def make_model_main(args: argparse.Namespace) -> int:
 
 
 def _served_vocab(model_dir: Path) -> int:
-    """Ids a server accepts: the model's embedding rows may outnumber the tokenizer's ids."""
+    """Ids a server accepts: the model's embedding rows may outnumber the tokenizer's ids (a
+    GGUF file spells one token per row)."""
+    from gapless.model.checkpoint import read_model_config
+    from gapless.model.gguf import is_gguf
     from gapless.model.tokenizer import Tokenizer
 
+    if is_gguf(model_dir):
+        return read_model_config(model_dir).vocab_size
     config_vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     return min(config_vocab, Tokenizer.from_pretrained(model_dir).vocab_size)
 

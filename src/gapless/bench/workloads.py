@@ -217,6 +217,29 @@ def grounded(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]
     return reqs
 
 
+# The free-generation workload's openings: stories that no prompt text can predict, the case
+# where speculation must cost nothing.
+_NAMES = ("Mira", "Tobias", "Anouk", "Felix", "Ines", "Osei", "Katja", "Ravi")
+_QUESTS = (
+    "keeps a lighthouse on an island that is slowly sinking",
+    "repairs clocks in a town where time runs backwards on Sundays",
+    "sails a cargo of seeds to a continent without trees",
+    "teaches a crow to read the letters it steals",
+)
+
+
+def story(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
+    """Free generation, all at once: `num_streams` different story openings (text prompts),
+    `stream_tokens` output tokens each."""
+    reqs = []
+    for i in range(spec.num_streams):
+        name = _NAMES[rng.integers(len(_NAMES))]
+        quest = _QUESTS[rng.integers(len(_QUESTS))]
+        prompt = f"Here is a long story about {name}, who {quest}.\n\nChapter 1\n\n"
+        reqs.append(BenchRequest(i, 0.0, prompt, spec.stream_tokens))
+    return reqs
+
+
 _BUILDERS = {
     "stall": stall,
     "mixed": mixed,
@@ -224,6 +247,7 @@ _BUILDERS = {
     "cancel": cancel,
     "chat": chat,
     "grounded": grounded,
+    "story": story,
 }
 
 
