@@ -221,11 +221,13 @@ def test_compare_on_tiny_checkpoint(tmp_path):
     cfg = json.loads((ckpt / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["vocab_size"] == 512
     out = tmp_path / "out"
+    # Without speculation: the random model's greedy output repeats, so prompt lookup would
+    # finish the streams before the long prompt arrives, and there would be no stall to see.
     rc = bench(
         [
             "--compare",
-            "blocking=--no-chunked-prefill",
-            "chunk16=--prefill-chunk 16",
+            "blocking=--no-chunked-prefill --speculate none",
+            "chunk16=--prefill-chunk 16 --speculate none",
             "--engine-only",
             "--model-dir",
             str(ckpt),
@@ -234,6 +236,9 @@ def test_compare_on_tiny_checkpoint(tmp_path):
             "--server-timeout",
             "60",
             *TINY_STALL,
+            # Soon after the streams: alone, the engine decodes a stream's tokens on this tiny
+            # model in about 0.1 s, which would leave no decode to stall at a later arrival.
+            *("--long-at", "0.01"),
             "--out",
             str(out),
         ]
@@ -247,7 +252,7 @@ def test_compare_on_tiny_checkpoint(tmp_path):
         "chunk16",
         "chunk16/engine",
     ]
-    assert results["configs"]["chunk16"]["server_flags"] == "--prefill-chunk 16"
+    assert results["configs"]["chunk16"]["server_flags"] == "--prefill-chunk 16 --speculate none"
     for name, run in results["configs"].items():
         metrics = run["metrics"]
         # The streams' ITL during the long prefill exists only if a stream was still decoding

@@ -86,6 +86,12 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
         help="omit ignore_eos for servers that reject it",
     )
     client.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (0: greedy); above 0 each request is seeded by its number",
+    )
+    client.add_argument(
         "--prompt-format",
         choices=("ids", "text"),
         default="ids",
@@ -277,6 +283,7 @@ def _client_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         ignore_eos=args.ignore_eos,
         use_text=args.prompt_format == "text",
+        temperature=args.temperature,
         timeout_s=args.request_timeout,
     )
 
@@ -347,7 +354,7 @@ def bench_main(args: argparse.Namespace) -> int:
             )
             counts = engine.metrics
             before = (counts.speculative_proposed_tokens, counts.speculative_accepted_tokens)
-            records, duration = run_engine(engine, requests)
+            records, duration = run_engine(engine, requests, args.temperature)
             after = (counts.speculative_proposed_tokens, counts.speculative_accepted_tokens)
             del engine
             speculation = acceptance(before, after)
@@ -363,6 +370,7 @@ def bench_main(args: argparse.Namespace) -> int:
             "model_dir": None if args.model_dir is None else str(args.model_dir),
             "slo_ms": slo,
             "ignore_eos": args.ignore_eos,
+            "temperature": args.temperature,
             "prompt_format": args.prompt_format,
         },
         "configs": runs,
@@ -507,6 +515,7 @@ def capacity_main(args: argparse.Namespace) -> int:
                 "trial_timeout_s": args.trial_timeout_s,
             },
             "ignore_eos": args.ignore_eos,
+            "temperature": args.temperature,
             "prompt_format": args.prompt_format,
         },
         "systems": systems,

@@ -153,20 +153,24 @@ async def send_request(
     t0: float,
     ignore_eos: bool = True,
     use_text: bool = False,
+    temperature: float = 0.0,
 ) -> RequestRecord:
-    """Stream one completion, stamping every event relative to `t0` (a perf_counter value)."""
+    """Stream one completion, stamping every event relative to `t0` (a perf_counter value).
+    Sampled (temperature > 0) with the request's number as its seed, so runs repeat."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": text_prompt(req.prompt)
         if use_text and isinstance(req.prompt, list)
         else req.prompt,
         "max_tokens": req.max_tokens,
-        "temperature": 0,
+        "temperature": temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     if ignore_eos:
         body["ignore_eos"] = True
+    if temperature > 0:
+        body["seed"] = req.rid
     rec = RequestRecord(req.rid, req.tag, time.perf_counter() - t0, len(req.prompt), req.max_tokens)
     try:
         async with asyncio.timeout(req.cancel_after_s):  # None: never
@@ -227,6 +231,7 @@ async def run_requests(
     *,
     ignore_eos: bool = True,
     use_text: bool = False,
+    temperature: float = 0.0,
     timeout_s: float = 600.0,
     show_progress: bool = True,
     desc: str = "requests",
@@ -242,7 +247,13 @@ async def run_requests(
             async def one(req: BenchRequest) -> RequestRecord:
                 await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - t0)))
                 rec = await send_request(
-                    client, req, model=model, t0=t0, ignore_eos=ignore_eos, use_text=use_text
+                    client,
+                    req,
+                    model=model,
+                    t0=t0,
+                    ignore_eos=ignore_eos,
+                    use_text=use_text,
+                    temperature=temperature,
                 )
                 bar.update(1)
                 return rec

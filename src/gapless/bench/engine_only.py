@@ -26,7 +26,9 @@ def engine_for(model_dir: Path, flags: list[str]) -> Engine:
     return Engine.from_pretrained(model_dir, engine_config(args))
 
 
-def run_engine(engine: Engine, requests: list[BenchRequest]) -> tuple[list[RequestRecord], float]:
+def run_engine(
+    engine: Engine, requests: list[BenchRequest], temperature: float = 0.0
+) -> tuple[list[RequestRecord], float]:
     """Adds each request at its arrival time (between steps) and stamps its tokens when the
     step that made them returns. Cancelling workloads are not supported."""
     if any(r.cancel_after_tokens is not None or r.cancel_after_s is not None for r in requests):
@@ -41,7 +43,9 @@ def run_engine(engine: Engine, requests: list[BenchRequest]) -> tuple[list[Reque
         now = time.perf_counter() - start
         while pending and pending[0].arrival_s <= now:
             r = pending.popleft()
-            params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=r.max_tokens, temperature=temperature, seed=r.rid, ignore_eos=True
+            )
             engine.add_request(r.prompt, params, str(r.rid))
         if not engine.has_work:
             time.sleep(pending[0].arrival_s - now)
