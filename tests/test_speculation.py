@@ -347,8 +347,11 @@ def test_acceptance_sets_how_many_tokens_a_request_proposes():
     assert speculation.limit(batch=8) == 5
     for _ in range(30):
         speculation.observe(proposed=2, accepted=0)
-    # Worth nothing now: nothing proposed, but for one token every PROBE_EVERY steps.
+    # Worth nothing now: nothing proposed, but for one token every PROBE_EVERY steps, times
+    # the batch (a batch probes about as often as a lone request).
     limits = [speculation.limit(batch=1) for _ in range(16)]
+    assert limits.count(1) == 2 and set(limits) == {0, 1}
+    limits = [speculation.limit(batch=4) for _ in range(64)]
     assert limits.count(1) == 2 and set(limits) == {0, 1}
 
 
