@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 
 import pytest
 import torch
@@ -422,6 +423,27 @@ def test_server_engine_steps_on_the_thread_that_loaded_it(checkpoint):
     async_engine.stop()
     assert isinstance(events[-1], FinishedEvent) and events[-1].finish_reason == "length"
     assert stepped_on == {loaded_on}
+
+
+def resident_mib() -> float:
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_reserved_kv_memory_is_resident_only_once_written(make_engine):
+    # Reserving KV memory costs no resident memory until sequences write it, and the
+    # start-up largest step gives back what it wrote: a server's memory is what it holds.
+    fields = {"idle_prefill_chunk": 256}
+    small = make_engine(kv_cache_tokens=1024, **fields)  # imports, checkpoint, op caches
+    small.reserve_peak_memory()
+    before = resident_mib()
+    engine = make_engine(kv_cache_tokens=2**21, **fields)
+    engine.reserve_peak_memory()
+    reserved = sum(k.nbytes + v.nbytes for k, v in engine.runner.kv_cache) / 2**20
+    assert reserved >= 512
+    assert resident_mib() - before < 64
+    engine.add_request(prompt(40), greedy(8), request_id="r")
+    assert len(tokens(run(engine)["r"])) == 8
 
 
 def test_the_largest_step_run_before_serving_leaves_no_trace(make_engine):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -59,14 +61,23 @@ class ModelRunner:
             decoder.device,
         )
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zeroed, not empty: padded attention reads masked slots, and 0 * NaN would poison it.
-        self.kv_cache = [
-            (
-                torch.zeros(shape, dtype=self.kernels.kv_dtype, device=decoder.device),
-                torch.zeros(shape, dtype=self.kernels.kv_dtype, device=decoder.device),
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        self._kv_memory: list[mmap.mmap] = []  # the CPU cache's pages (see _zeroed)
+        self.kv_cache = [(self._zeroed(shape), self._zeroed(shape)) for _ in range(cfg.num_layers)]
+
+    def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed tensor for the KV cache (zeroed, not empty: padded attention reads masked
+        slots, and 0 * NaN would poison it). On the CPU it lies in private anonymous pages,
+        which the OS maps as zeros and makes resident only when written: the cache costs
+        memory as far as sequences have filled it, however much is reserved, as llama.cpp's
+        does (SmolLM2's 16k tokens are 360 MiB reserved, a few MiB resident after start)."""
+        dtype, device = self.kernels.kv_dtype, self.decoder.device
+        if torch.device(device).type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        memory = mmap.mmap(
+            -1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+        self._kv_memory.append(memory)
+        return torch.frombuffer(memory, dtype=dtype).view(shape)
 
     @staticmethod
     def kv_bytes_per_token(decoder: Decoder) -> int:
@@ -81,6 +92,10 @@ class ModelRunner:
         most activations and the widest attention masks."""
         table = list(range(-(-context // self.block_size)))
         self.run([ChunkInput([0] * num_tokens, context - num_tokens, table, False)])
+        if self._kv_memory:  # back to untouched zero pages, resident no more
+            for memory in self._kv_memory:
+                memory.madvise(mmap.MADV_DONTNEED)
+            return
         for keys, values in self.kv_cache:
             keys.zero_()
             values.zero_()
