@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from gapless.device import release_freed_memory
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder
 from gapless.model.gguf import is_gguf, load_gguf, read_gguf_config
@@ -26,9 +27,12 @@ def load_model(
     """The decoder (this rank's shard of it, with `parallel`) and the tokenizer; quantize as
     load_decoder's."""
     if is_gguf(path):
-        return load_gguf(path, dtype, device, parallel, quantize, group_size)
-    decoder = load_decoder(path, dtype, device, parallel, quantize, group_size)
-    return decoder, Tokenizer.from_pretrained(path)
+        decoder, tokenizer = load_gguf(path, dtype, device, parallel, quantize, group_size)
+    else:
+        decoder = load_decoder(path, dtype, device, parallel, quantize, group_size)
+        tokenizer = Tokenizer.from_pretrained(path)
+    release_freed_memory()
+    return decoder, tokenizer
 
 
 def read_model_config(path: str | Path) -> ModelConfig:
