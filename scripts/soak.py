@@ -353,6 +353,21 @@ def scrape(url: str) -> dict[str, Any]:
     return values
 
 
+def fill_kv_cache(url: str, ctx: Context) -> None:
+    """Writes every KV block once before the soak starts. The server reserves its KV cache but
+    holds only the pages written (runner._zeroed), and the prefix cache hands out the least
+    recently freed blocks first, so until every block has held something, resident memory
+    grows with the blocks touched: growth a leak check must not count. A block that has held
+    a prompt stays cached, not free, so no free block left means all were written."""
+    rng = random.Random(0)
+    for _ in range(256):  # a bound, in case the prefix cache is off and blocks return free
+        if scrape(url)["kv_blocks_free"] == 0:
+            return
+        prompt = ctx.text(rng, ctx.long_tokens(rng))
+        body = {"model": ctx.model, "prompt": prompt, "max_tokens": 1}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=600).raise_for_status()
+
+
 def sample(pid: int, url: str, t: float, idle: bool) -> dict[str, Any]:
     # /proc first: the scrape's own connection is then not among the fds counted.
     status = Path(f"/proc/{pid}/status").read_text()
@@ -525,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         probe = " ".join(WORDS * 20)
         info = httpx.post(f"{url}/tokenize", json={"prompt": probe}, timeout=30).json()
         ctx = Context(model, info["max_model_len"], info["count"] / len(WORDS * 20))
+        fill_kv_cache(url, ctx)
         traffic = Traffic(url, ctx, args.seed, args.concurrency, args.request_timeout)
         drive(args, proc.pid, url, traffic, samples, not_idle)
         traffic.stop()
