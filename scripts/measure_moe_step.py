@@ -1,9 +1,9 @@
-"""Batch-1 decode step time of a mixture of experts against a dense model of the same active
+"""Decode step time of a mixture of experts against a dense model of the same active
 parameters: bench/make_model.py's qwen3-30b-a3b-narrow (128 experts, 8 chosen per token) and
 qwen3-30b-a3b-narrow-dense (one MLP of 8 experts' rows), in one process, steps interleaved.
 
     .venv/bin/python scripts/measure_moe_step.py DIR [--rounds N] [--context N] [--dtype D]
-        [--threads N]
+        [--threads N] [--batch N]
 
 DIR holds the two checkpoints (made there on the first run: ~1.3 GB). Each round times one
 decode step of each model, in turn, at the same context length; the figures are medians over
@@ -30,23 +30,28 @@ PRESETS = ("qwen3-30b-a3b-narrow", "qwen3-30b-a3b-narrow-dense")
 
 
 class Decoding:
-    """One sequence of one model, prefilled to the context, then decoded a step at a time."""
+    """`batch` sequences of one model, prefilled to the context, then decoded a step at a time
+    (a token each)."""
 
-    def __init__(self, path: Path, dtype: str, context: int, steps: int) -> None:
+    def __init__(self, path: Path, dtype: str, context: int, steps: int, batch: int) -> None:
         self.decoder = load_decoder(path, dtype)
-        blocks = (context + steps) // 16 + 2
-        self.runner = ModelRunner(self.decoder, blocks, 16)
+        per = (context + steps) // 16 + 2
+        self.runner = ModelRunner(self.decoder, per * batch, 16)
         gen = torch.Generator().manual_seed(0)
         vocab = self.decoder.config.vocab_size
-        ids = torch.randint(0, vocab, (context + steps,), generator=gen).tolist()
-        self.request = Request("r", ids, SamplingParams())
-        self.request.block_table = list(range(blocks))
+        self.requests = []
+        for i in range(batch):
+            ids = torch.randint(0, vocab, (context + steps,), generator=gen).tolist()
+            request = Request(f"r{i}", ids, SamplingParams())
+            request.block_table = list(range(i * per, (i + 1) * per))
+            self.requests.append(request)
         self.step(context)
 
     def step(self, tokens: int = 1) -> float:
         start = time.perf_counter()
-        self.runner.execute([ScheduledChunk(self.request, tokens)], set())
-        self.request.num_computed += tokens
+        self.runner.execute([ScheduledChunk(r, tokens) for r in self.requests], set())
+        for r in self.requests:
+            r.num_computed += tokens
         return time.perf_counter() - start
 
 
@@ -57,6 +62,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -64,7 +70,9 @@ def main() -> None:
     for preset, path in zip(PRESETS, paths, strict=True):
         if not path.exists():
             make_model(path, preset)
-    moe, dense = (Decoding(path, args.dtype, args.context, args.rounds + 5) for path in paths)
+    moe, dense = (
+        Decoding(path, args.dtype, args.context, args.rounds + 5, args.batch) for path in paths
+    )
     for _ in range(5):  # warm-up
         moe.step(), dense.step()
     times = [(moe.step(), dense.step()) for _ in range(args.rounds)]
@@ -73,7 +81,7 @@ def main() -> None:
     print(moe.decoder.kernels.describe())
     print(f"threads {torch.get_num_threads()}, context {args.context}, {args.rounds} rounds")
     print(
-        f"batch-1 decode step: MoE {moe_ms:.2f} ms, dense {dense_ms:.2f} ms, "
+        f"batch-{args.batch} decode step: MoE {moe_ms:.2f} ms, dense {dense_ms:.2f} ms, "
         f"MoE/dense {ratio:.2f}x (median of per-round ratios)"
     )
 

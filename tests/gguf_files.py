@@ -35,6 +35,7 @@ _ARCH = {
     "Gemma2ForCausalLM": "gemma2",
     "Qwen3MoeForCausalLM": "qwen3moe",
     "MixtralForCausalLM": "llama",  # a `llama` file with experts
+    "GptOssForCausalLM": "gpt-oss",
 }
 _EXPERT = re.compile(r"experts\.(\d+)\.")
 
@@ -118,6 +119,27 @@ def add_byte_level_tokenizer(writer: gguf.GGUFWriter, ckpt: Path, pre: str) -> N
     writer.add_chat_template(config["chat_template"])
 
 
+def split_gpt_oss_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """llama.cpp's converter: gate_up_proj [experts, in, 2 * out] (gate the even columns, up the
+    odd) into stacked gate and up [experts, out, in], down_proj transposed alike."""
+    out = {}
+    for name, w in tensors.items():
+        base, _, fused = name.rpartition(".")
+        if fused == "gate_up_proj":
+            out[f"{base}.gate_proj.weight"] = w[..., ::2].transpose(0, 2, 1)
+            out[f"{base}.up_proj.weight"] = w[..., 1::2].transpose(0, 2, 1)
+        elif fused == "gate_up_proj_bias":
+            out[f"{base}.gate_proj.bias"] = w[..., ::2]
+            out[f"{base}.up_proj.bias"] = w[..., 1::2]
+        elif fused == "down_proj":
+            out[f"{base}.down_proj.weight"] = w.transpose(0, 2, 1)
+        elif fused == "down_proj_bias":
+            out[f"{base}.down_proj.bias"] = w
+        else:
+            out[name] = w
+    return out
+
+
 def write_gguf(
     ckpt: Path,
     out: Path,
@@ -158,11 +180,18 @@ def write_gguf(
         writer.add_expert_used_count(cfg["num_experts_per_tok"])
         if "moe_intermediate_size" in cfg:
             writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    scaling = cfg.get("rope_scaling") or {}
+    if arch == "gpt-oss":
+        writer.add_sliding_window(cfg["sliding_window"])
+        writer.add_expert_feed_forward_length(cfg["intermediate_size"])
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if scaling.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(scaling["factor"])
-    elif scaling:
+    elif scaling.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    elif scaling.get("rope_type", "default") != "default":
         raise ValueError(f"this writer does not write rope scaling {scaling}")
     add_byte_level_tokenizer(writer, ckpt, pre)
 
@@ -170,7 +199,10 @@ def write_gguf(
     rng = np.random.default_rng(0)
     tensors: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}  # stacked by llama.cpp into one 3-D tensor
-    for hf_name, w in load_file(ckpt / "model.safetensors").items():
+    checkpoint = load_file(ckpt / "model.safetensors")
+    if arch == "gpt-oss":
+        checkpoint = split_gpt_oss_experts(checkpoint)
+    for hf_name, w in checkpoint.items():
         name = gguf_name(hf_name, family.GGUF_NAMES)
         if name in drop or (hf_name == "lm_head.weight" and cfg["tie_word_embeddings"]):
             continue

@@ -9,12 +9,16 @@ once over all of its tokens.
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf_files import write_gguf
+from safetensors.numpy import load_file, save_file
 from test_model import (
     Seq,
     check_chunked_prefill_equals_one_call,
@@ -65,6 +69,11 @@ def test_prompt_logprobs_and_greedy_tokens_match_transformers(checkpoint, varian
     llm = LLM(path, dtype="float32", prefill_chunk=16)
     sparse = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
     assert [isinstance(layer, MoeLayer) for layer in llm.engine.decoder.layers] == sparse
+    check_logprobs_and_greedy(llm, ids, ref, greedy)
+
+
+def check_logprobs_and_greedy(llm: LLM, ids: list[int], ref: torch.Tensor, greedy: list[int]):
+    """Prompt logprobs within 1e-4 of transformers' (ref), and its greedy tokens from ids[:30]."""
     params = SamplingParams(max_tokens=1, prompt_logprobs=1, ignore_eos=True)
     out = llm.generate([ids], params)[0]
     diff = max(
@@ -206,3 +215,50 @@ def test_mxfp4_gpt_oss_is_refused_saying_how_to_dequantize(checkpoint):
     raw["quantization_config"] = {"quant_method": "mxfp4"}  # as OpenAI's checkpoints have it
     with pytest.raises(ConfigError, match=r"MXFP4 .*Mxfp4Config\(dequantize=True\)"):
         ModelConfig.from_dict(raw)
+
+
+def on_mxfp4_grid(ckpt, out):
+    """A copy of a gpt-oss checkpoint whose experts' weights MXFP4 holds exactly (rounded
+    through its blocks along each linear's input), so that a file of MXFP4 experts and the
+    checkpoint compute the same."""
+    shutil.copytree(ckpt, out)
+    tensors = load_file(out / "model.safetensors")
+    for name, w in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [experts, in, out]
+            rows = np.ascontiguousarray(w.transpose(0, 2, 1))
+            blocks = gguf.quants.quantize(rows, QType.MXFP4)
+            grid = gguf.quants.dequantize(blocks, QType.MXFP4).reshape(rows.shape)
+            tensors[name] = np.ascontiguousarray(grid.transpose(0, 2, 1)).astype(w.dtype)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("experts_type", [QType.F32, QType.MXFP4])
+def test_gpt_oss_gguf_matches_transformers(checkpoint, tmp_path, caplog, monkeypatch, experts_type):
+    # llama.cpp's gpt-oss file: experts split into gate and up, sinks, router and expert
+    # biases, YaRN; its experts float or MXFP4 blocks (dequantized at load, with a warning).
+    # A file with quantized tensors runs its float linears in bf16 tiles on our default
+    # kernels; the fallback ones keep the float32 that 1e-4 asks for.
+    monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
+    # llama.cpp's gpt-oss has no key for the SwiGLU clamp: OpenAI's 7, where the tiny
+    # checkpoint's own is 2 (so that its random activations reach it).
+    ckpt = checkpoint("gpt_oss", swiglu_limit=7.0)
+    if experts_type == QType.MXFP4:
+        ckpt = on_mxfp4_grid(ckpt, tmp_path / "grid")
+    path = write_gguf(ckpt, tmp_path / "gpt-oss.gguf", mix={"_exps.weight": experts_type})
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.ffn_up_exps.weight"] == experts_type
+    assert types["blk.0.attn_sinks.weight"] == QType.F32
+    ids = prompt(60, seed=5)
+    hf = hf_model(ckpt)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+        greedy = hf.generate(
+            torch.tensor([ids[:30]]), max_new_tokens=40, do_sample=False, eos_token_id=None
+        )[0, 30:].tolist()
+    with caplog.at_level(logging.WARNING, "gapless.model"):
+        llm = LLM(str(path), dtype="float32", prefill_chunk=16)
+    assert llm.engine.decoder.config.architecture == "GptOssForCausalLM"
+    warned = "GGUF MXFP4 weights have no kernel here: dequantized at load" in caplog.text
+    assert warned == (experts_type == QType.MXFP4)
+    check_logprobs_and_greedy(llm, ids, ref, greedy)

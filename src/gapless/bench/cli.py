@@ -24,6 +24,7 @@ from gapless.bench.client import (
 )
 from gapless.bench.compare import ServerError, ServerProcess, parse_configs
 from gapless.bench.engine_only import engine_for, run_engine
+from gapless.bench.make_model import PRESETS
 from gapless.bench.metrics import compute_metrics, parse_slo
 from gapless.bench.report import (
     format_table,
@@ -133,9 +134,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=bench_main)
 
     sub = p.add_subparsers(dest="bench_command", metavar="{make-model,roofline,capacity}")
-    mm = sub.add_parser("make-model", help="write a seeded random-weight Qwen2 checkpoint")
+    mm = sub.add_parser("make-model", help="write a seeded random-weight checkpoint")
     mm.add_argument("out_dir", type=Path)
-    mm.add_argument("--preset", choices=("qwen2.5-0.5b", "tiny"), default="qwen2.5-0.5b")
+    mm.add_argument("--preset", choices=tuple(PRESETS), default="qwen2.5-0.5b")
     mm.add_argument("--seed", type=int, default=0)
     mm.set_defaults(func=make_model_main)
     add_roofline_parser(sub)

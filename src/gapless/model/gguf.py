@@ -35,7 +35,6 @@ from gapless.model.loader import (
     build_decoder,
     check_names,
     check_shape,
-    expected_shapes,
 )
 from gapless.model.parallel import TensorParallel
 from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE, quantizer
@@ -55,9 +54,13 @@ def gguf_name(hf_name: str, names: dict[str, str] = common.GGUF_NAMES) -> str:
     """The GGUF tensor name llama.cpp's converter gives a Hugging Face tensor name, by a
     family's GGUF_NAMES. Every expert's tensor of a module (mlp.experts.{e}.up_proj) has one
     name: llama.cpp stacks them into one 3-D tensor (GGUF_NAMES names mlp.experts.up_proj)."""
+    if layer := _LAYER.fullmatch(hf_name):
+        inner = _EXPERT.sub("experts.", layer[2])
+        if inner in names:  # a parameter without a module (gpt-oss's sinks): named whole
+            return f"blk.{layer[1]}.{names[inner]}"
+        module, _, param = inner.rpartition(".")
+        return f"blk.{layer[1]}.{names[module]}.{param}"
     module, _, param = hf_name.rpartition(".")
-    if layer := _LAYER.fullmatch(module):
-        return f"blk.{layer[1]}.{names[_EXPERT.sub('experts.', layer[2])]}.{param}"
     return f"{names[module]}.{param}"
 
 
@@ -143,8 +146,10 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
     if rotary != head_dim:
         raise ValueError(f"partial rotary embeddings ({rotary} of {head_dim} dims) are unsupported")
     scaling = meta("rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
-        raise ValueError(f"unsupported GGUF rope scaling {scaling!r}; supported: none, linear")
+    if scaling not in ("none", "linear", "yarn"):  # a family's config refuses what it lacks
+        raise ValueError(
+            f"unsupported GGUF rope scaling {scaling!r}; supported: none, linear, yarn"
+        )
     tokens = reader.get_field("tokenizer.ggml.tokens")
     window = meta("attention.sliding_window")
     eos_ids = [
@@ -165,8 +170,13 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         "max_position_embeddings": meta("context_length", 4096),
         "rope_theta": meta("rope.freq_base", 10000.0),
         "rope_scaling": (
-            {"rope_type": "linear", "factor": meta("rope.scaling.factor")}
-            if scaling == "linear"
+            {"rope_type": scaling, "factor": meta("rope.scaling.factor")}
+            | (
+                {"original_max_position_embeddings": meta("rope.scaling.original_context_length")}
+                if scaling == "yarn"
+                else {}
+            )
+            if scaling != "none"
             else None
         ),
         "sliding_window": window,
@@ -226,7 +236,9 @@ def load_gguf(
     family = family_of(cfg.architecture)
     # GGUF name -> the Hugging Face tensors it holds: one, or every expert's, in expert order
     expected: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-    for n, shape in expected_shapes(cfg).items():
+    # Where llama.cpp's converter splits what a checkpoint fuses, the family says the split.
+    shapes = getattr(family, "gguf_tensor_shapes", family.tensor_shapes)(cfg)
+    for n, shape in shapes.items():
         expected.setdefault(gguf_name(n, family.GGUF_NAMES), []).append((n, shape))
     check_names(set(expected), {t.name for t in reader.tensors}, path)
     weights: dict[str, Weight] = {}

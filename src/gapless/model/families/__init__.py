@@ -15,7 +15,9 @@ A family module declares, in plain torch over the kernels seam:
   runs it over a step's batch (decoder.Step: rotations, KV write and attention, all-reduce).
 
 Optionally, split_fused(cfg, weights) -> weights: a checkpoint's fused projections split into
-the q/k/v and gate/up tensors that tensor parallelism shards (parallel.py).
+the q/k/v and gate/up tensors that tensor parallelism shards (parallel.py); and
+gguf_tensor_shapes(cfg), where llama.cpp's converter splits some of them (gpt-oss's experts):
+a file's tensors under the names split_fused gives.
 
 The engine, scheduler, KV cache and server do not change with a family. Adding one is a
 module here, listed in FAMILIES, and its parity test against transformers.

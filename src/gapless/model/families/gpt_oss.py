@@ -20,8 +20,18 @@ at load into one [out, in] linear per expert, as Qwen3-MoE's are. OpenAI's relea
 checkpoints hold the experts in MXFP4 (`quantization_config` mxfp4): refused at load, with a
 message saying how to dequantize them (transformers' `Mxfp4Config(dequantize=True)`, then
 `save_pretrained`): this reads no MXFP4 blocks, and a dequantized copy costs 4x their memory
-in bfloat16, 8x in float32 (gpt-oss-20b's ~12 GB of experts as ~48 or ~96 GB). llama.cpp's
-gpt-oss GGUF files are not read either.
+in bfloat16, 8x in float32 (gpt-oss-20b's ~12 GB of experts as ~48 or ~96 GB).
+
+llama.cpp's `gpt-oss` GGUF files are read. Its converter splits gate_up_proj into stacked
+ffn_gate_exps and ffn_up_exps ([experts, out, in], biases beside them), so a file's experts
+arrive as Qwen3-MoE's do and split_fused leaves them; the sinks are attn_sinks.weight, the
+router ffn_gate_inp, the second norm post_attention_norm. Their experts are MXFP4 blocks, which
+our kernels do not have: model/gguf.py dequantizes them at load to the run dtype, with a
+warning of the memory it costs (gpt-oss-20b's ~12 GB of blocks ~4x larger in bfloat16, ~8x in
+float32), as it does any type without a kernel. The SwiGLU's alpha and limit have no keys:
+OpenAI's 1.702 and 7, as llama.cpp's graph fixes them. The file has no key for YaRN's `truncate`:
+false, as OpenAI's config.json says (llama.cpp's rope rounds the ramp's ends; transformers,
+told false, does not).
 """
 
 from __future__ import annotations
@@ -37,15 +47,22 @@ from gapless.kernels.moe import Glu
 from gapless.model.config import ConfigError, base_fields, check_activation
 from gapless.model.decoder import Body, Rope
 from gapless.model.families import common, qwen3_moe
-from gapless.model.families.common import Shapes
+from gapless.model.families.common import Meta, Shapes
 from gapless.model.families.qwen3_moe import MoeConfig, MoeNames
 
 if TYPE_CHECKING:
     from gapless.model.loader import Weight, Weights
 
 ARCHITECTURES = ("GptOssForCausalLM",)
-GGUF_ARCHITECTURES: dict[str, str] = {}  # llama.cpp's gpt-oss files are not read
-GGUF_NAMES = common.GGUF_NAMES
+GGUF_ARCHITECTURES = {"gpt-oss": "GptOssForCausalLM"}
+GGUF_NAMES = common.GGUF_NAMES | {
+    "post_attention_layernorm": "post_attention_norm",
+    "self_attn.sinks": "attn_sinks.weight",  # a parameter the file holds as a tensor
+    "mlp.router": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
+}
 NAMES = MoeNames("mlp", "router", "gate_proj", "up_proj", "down_proj")  # after split_fused
 DEFAULT_THETA = 150_000.0
 
@@ -93,6 +110,16 @@ def config(raw: dict) -> GptOssConfig:
     )
 
 
+def gguf_config(raw: dict, meta: Meta) -> dict:
+    rope = raw["rope_scaling"] or {}
+    return raw | {
+        "num_local_experts": meta("expert_count", None),
+        "num_experts_per_tok": meta("expert_used_count", None),
+        "intermediate_size": meta("expert_feed_forward_length", None),
+        "rope_scaling": rope | {"truncate": False} if rope.get("rope_type") == "yarn" else rope,
+    }
+
+
 def tensor_shapes(cfg: GptOssConfig) -> Shapes:
     h, inter, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     layer = common.norm_shapes(cfg, "input_layernorm", "post_attention_layernorm")
@@ -109,6 +136,26 @@ def tensor_shapes(cfg: GptOssConfig) -> Shapes:
     return common.model_shapes(cfg, layer)
 
 
+def gguf_tensor_shapes(cfg: GptOssConfig) -> Shapes:
+    """A GGUF file's tensors, under the names split_fused gives a checkpoint's."""
+    inter, h = cfg.moe_intermediate_size, cfg.hidden_size
+    fused = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    layer = {f"mlp.experts.{name}" for name in fused}
+    shapes = {n: s for n, s in tensor_shapes(cfg).items() if n.split(".", 3)[-1] not in layer}
+    for i in range(cfg.num_layers):
+        for e in range(cfg.num_experts):
+            p = f"model.layers.{i}.mlp.experts.{e}."
+            shapes |= {
+                f"{p}gate_proj.weight": (inter, h),
+                f"{p}gate_proj.bias": (inter,),
+                f"{p}up_proj.weight": (inter, h),
+                f"{p}up_proj.bias": (inter,),
+                f"{p}down_proj.weight": (h, inter),
+                f"{p}down_proj.bias": (h,),
+            }
+    return shapes
+
+
 def from_gguf(cfg: GptOssConfig, name: str, w: Weight) -> Weight:
     return w
 
@@ -116,7 +163,9 @@ def from_gguf(cfg: GptOssConfig, name: str, w: Weight) -> Weight:
 def split_fused(cfg: GptOssConfig, w: dict[str, Weight]) -> dict[str, Weight]:
     """Each layer's 3-D experts into Qwen3-MoE's per-expert gate, up and down [out, in]
     linears with biases (the names tensor parallelism cuts): gate the even columns of
-    gate_up_proj, up the odd ones."""
+    gate_up_proj, up the odd ones. A GGUF file's experts arrive split already."""
+    if "model.layers.0.mlp.experts.gate_up_proj" not in w:
+        return w
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}.mlp.experts."
         gate_up, gate_up_bias = w.pop(p + "gate_up_proj"), w.pop(p + "gate_up_proj_bias")
