@@ -21,6 +21,7 @@ from gapless.device import rank_device
 from gapless.engine import distributed
 from gapless.engine.admission import Admission, RequestError
 from gapless.engine.cost_model import LEARNING_CHUNK, StepCostModel, step_features
+from gapless.engine.draft import DraftModel, check_same_tokenizer
 from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent, TokenLogprob
 from gapless.engine.metrics import EngineMetrics
 from gapless.engine.options import check, option, split
@@ -135,8 +136,15 @@ class EngineConfig:
         "speculative decoding: ngram proposes what followed the latest earlier match of a "
         "request's last tokens in its own prompt and output, and the step's forward verifies "
         "it (the output is the same, and distributed the same, as without); none decodes one "
-        "token a step",
-        choices=("none", "ngram"),
+        "token a step; draft proposes --draft-model's greedy tokens",
+        choices=("none", "ngram", "draft"),
+    )
+    draft_model: str | None = option(
+        None,
+        "with --speculate draft: a small model (HF directory or GGUF file) with the target's "
+        "tokenizer; its KV takes a share of the KV budget, so that both pools hold the same "
+        "number of tokens",
+        metavar="PATH",
     )
     num_speculative_tokens: int = option(
         5,
@@ -150,6 +158,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         quantizer(self.quantize, self.quantize_group_size)  # its own messages name the choices
         check(self)
+        if (self.speculate == "draft") != (self.draft_model is not None):
+            raise ValueError("--speculate draft and --draft-model go together")
+        if self.draft_model is not None and self.tensor_parallel_size > 1:
+            raise ValueError("a draft model runs without tensor parallelism")
 
     @classmethod
     def of(cls, **options: Any) -> EngineConfig:
@@ -165,7 +177,10 @@ class Engine:
         tokenizer: Tokenizer,
         config: EngineConfig | None = None,
         runner: ModelRunner | None = None,
+        draft: Decoder | None = None,
     ) -> None:
+        """`draft`: the draft model's decoder, with --speculate draft (its tokenizer checked
+        against `tokenizer` already)."""
         self.config = config = config or EngineConfig()
         self.decoder = decoder
         self.tokenizer = tokenizer
@@ -176,11 +191,17 @@ class Engine:
             if config.kv_cache_tokens is not None:
                 num_blocks = -(-config.kv_cache_tokens // bs)
             else:
-                per_block = ModelRunner.kv_bytes_per_token(decoder) * bs
+                # The draft's pool holds as many tokens as the target's: their share of the
+                # budget goes by their bytes per token.
+                per_token = sum(map(ModelRunner.kv_bytes_per_token, filter(None, [decoder, draft])))
+                per_block = per_token * bs
                 num_blocks = int(config.kv_memory_gib * 2**30) // per_block
                 # No point holding more than every running sequence at full context.
                 num_blocks = min(num_blocks, scheduling.max_num_seqs * -(-self.max_model_len // bs))
             runner = ModelRunner(decoder, num_blocks, bs)
+        self.draft = None
+        if draft is not None:
+            self.draft = DraftModel(draft, runner.num_blocks, runner.block_size)
         self.pool = BlockPool(runner.num_blocks, runner.block_size)
         if mcfg.max_window is None:
             # A sequence longer than the pool could be preempted and never fit again.
@@ -234,7 +255,19 @@ class Engine:
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
             device = rank_device(config.device, 0)
-            return cls(*load_model(path, config.dtype, device, None, *quantize), config)
+            model = load_model(path, config.dtype, device, None, *quantize)
+            draft = None
+            if config.draft_model is not None:
+                draft, draft_tokenizer = load_model(
+                    config.draft_model, config.dtype, device, None, *quantize
+                )
+                check_same_tokenizer(model[1], draft_tokenizer)
+                if draft.config.vocab_size != model[0].config.vocab_size:
+                    raise ValueError(
+                        f"the draft model's vocabulary has {draft.config.vocab_size} rows, the "
+                        f"target's {model[0].config.vocab_size}"
+                    )
+            return cls(*model, config, draft=draft)
         check_shardable(read_model_config(path), config.tensor_parallel_size)  # spawns nothing
         launch = launch or distributed.Launch(threads=config.num_threads, device=config.device)
         owns_group = distributed.current() is None
@@ -373,8 +406,8 @@ class Engine:
             except GrammarError as e:
                 raise RequestError(f"the grammar does not compile: {e}", "grammar") from e
         speculation = None
-        if self.config.speculate == "ngram" and params.speculate:
-            speculation = Speculation(self.config.num_speculative_tokens)
+        if self.config.speculate != "none" and params.speculate:
+            speculation = Speculation(self.config.num_speculative_tokens, self.draft)
         return Request(
             request_id,
             ids,

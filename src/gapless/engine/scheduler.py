@@ -361,6 +361,8 @@ class Scheduler:
 
     def _release_blocks(self, request: Request) -> None:
         self.pool.release([b for b in request.block_table if b >= 0])
+        if request.speculation is not None:
+            request.speculation.release(request)
         request.block_table = []
         request.block_hashes = []
         request.num_registered = 0

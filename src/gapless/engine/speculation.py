@@ -16,8 +16,9 @@ mass on d, as prompt lookup's is: d is accepted with probability p(d), and a rej
 is drawn from p with d's mass removed, renormalized. Drawing that token from p by the same
 single uniform number a plain decode uses (inverse CDF, sampler.sample) and accepting d when
 the draw lands on it realizes both at once: a seeded request draws the same numbers, one per
-token, with speculation or without. A proposer with a spread-out q (a draft model) needs the
-two-draw form of the rule where _sample_runs compares the token with the proposal.
+token, with speculation or without. The draft model (draft.py) proposes greedily, its argmax
+given the context, so its q is a point mass too and the same rule is exact for it; a draft
+that sampled its proposals would need the two-draw form of the rule.
 
 How many tokens a request proposes follows how its proposals have fared (Speculation.limit).
 """
@@ -28,6 +29,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from gapless.engine.draft import DraftModel
     from gapless.engine.request import Request
 
 # Prompt lookup matches the last NGRAM_MAX, then fewer, down to NGRAM_MIN tokens. A single
@@ -52,10 +54,12 @@ PROBE_EVERY = 8
 
 
 class Speculation:
-    """One request's proposer (prompt lookup) and the record of its proposals' fate."""
+    """One request's proposer (prompt lookup, or the engine's draft model) and the record of
+    its proposals' fate."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, draft: DraftModel | None = None) -> None:
         self.max_tokens = max_tokens  # the most tokens it proposes in a step
+        self.draft = draft
         # The request's tokens (prompt, then accepted output) as little-endian int32, so the
         # latest earlier match of its last tokens is one bytes.rfind away, however long the
         # prompt.
@@ -96,12 +100,14 @@ class Speculation:
 
     def propose(self, request: Request, most: int, batch: int) -> list[int]:
         """Up to `most` tokens to follow the request's prompt and output, beside `batch`
-        decodes: what followed the latest earlier occurrence of its last NGRAM_MAX tokens,
-        else of fewer, down to NGRAM_MIN. (Its tokens only ever grow: rejected proposals
-        never join them.)"""
+        decodes: the draft model's greedy tokens, or else what followed the latest earlier
+        occurrence of its last NGRAM_MAX tokens, else of fewer, down to NGRAM_MIN. (Its
+        tokens only ever grow: rejected proposals never join them.)"""
         k = min(most, self.limit(batch))
         if k <= 0:
             return []
+        if self.draft is not None:
+            return self.draft.propose(request, k)
         data, total = self._tokens, request.num_tokens
         for token in request.tokens(self._count, total):
             data += token.to_bytes(_WIDTH, "little")
@@ -117,3 +123,8 @@ class Speculation:
                     return request.tokens(follow, min(follow + k, total))
                 stop = at + len(needle) - 1
         return []
+
+    def release(self, request: Request) -> None:
+        """Frees what proposing held for the request (the draft model's K/V blocks)."""
+        if self.draft is not None:
+            self.draft.release(request)
