@@ -3,16 +3,30 @@
 Engine.add_request runs them, so the Python API refuses what the server refuses. The server's
 dialects run them while they parse a request, off the event loop, and hand the engine a
 CheckedPrompt, which add_request does not scan again. Every refusal is a RequestError naming
-the field in the engine's terms (prompt, max_tokens, top_k, stop_token_ids); the server
+the field in the engine's terms (prompt, max_tokens, top_k, stop_token_ids, images); the server
 renames it to the request's field (server/endpoint.py, admission_errors).
+
+Images (a vision-language model's): each is decoded and checked here once (its bytes, its
+size, the pixel cap, the count per prompt), preprocessed, and its placeholder token in the
+prompt expanded to the run of tokens the encoder fills (docs/vision.md). The encoder runs
+later, in the step whose chunk first reaches the image.
 """
 
 from __future__ import annotations
 
+import io
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+from PIL import Image
+
 from gapless.engine.sampling_params import SamplingParams
+from gapless.model.images import PreparedImage
 from gapless.model.tokenizer import Tokenizer
+from gapless.model.vision import VisionLanguageModel, image_key
 
 
 class RequestError(ValueError):
@@ -29,15 +43,49 @@ class RequestError(ValueError):
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
+@dataclass(frozen=True)
+class PromptImage:
+    """An image in a prompt: its run of placeholder tokens start..end-1, what its encoder
+    takes, and its content key (the prefix cache's name for those rows)."""
+
+    start: int
+    length: int
+    image: PreparedImage
+    key: str
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
 class CheckedPrompt(list[int]):
-    """Prompt ids that passed Admission.check_prompt: add_request takes them as they are."""
+    """Prompt ids that passed Admission.check_prompt: add_request takes them as they are, with
+    their images and (M-RoPE) positions."""
+
+    images: tuple[PromptImage, ...] = ()
+    rope_positions: torch.Tensor | None = None
+
+
+# What Engine.add_request takes as an image: its file's bytes (PNG, JPEG, ...) or a Pillow image.
+ImageInput = bytes | Image.Image
 
 
 class Admission:
     """The checks of one engine's requests against its tokenizer, context and vocabulary."""
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        vision: VisionLanguageModel | None = None,
+        limit_mm_per_prompt: int = 0,
+        max_image_pixels: int = 0,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.vision = vision
+        self.limit_mm_per_prompt = limit_mm_per_prompt
+        self.max_image_pixels = max_image_pixels
         self.max_model_len = max_model_len
         # The model's: the width of its logits, so what top_k and sampled ids range over.
         self.vocab_size = vocab_size
@@ -82,15 +130,23 @@ class Admission:
             raise RequestError(str(e), "prompt", None) from e
 
     def check_prompt(
-        self, prompt: str | list[int], output: bool = True, truncate: bool = False
+        self,
+        prompt: str | list[int],
+        output: bool = True,
+        truncate: bool = False,
+        images: Sequence[ImageInput] = (),
     ) -> CheckedPrompt:
         """A prompt's ids (a text is encoded), refused if empty, if they leave no room for
         output in the context, or if one is outside the vocabulary.
 
         An embedding's prompt (output=False) has no output, so it may fill the context; with
-        truncate, one longer than the context keeps its first tokens that fit instead."""
+        truncate, one longer than the context keeps its first tokens that fit instead.
+
+        With images, the prompt holds one image placeholder token (the model's image token,
+        as its chat template writes it) per image, in order; each becomes the image's run."""
         if isinstance(prompt, CheckedPrompt):
             return prompt
+        prepared = self.check_images(images)
         most = self.max_model_len - 1 if output else self.max_model_len
         ids = prompt
         if isinstance(prompt, str) and truncate:
@@ -103,6 +159,8 @@ class Admission:
             ids = self.encode(prompt) if prompt else []
         if not ids:
             raise RequestError("the prompt is empty", "prompt", None)
+        if prepared:
+            ids, placed = self._place_images(ids, prepared)
         if truncate:
             ids = ids[:most]
         if len(ids) > most:
@@ -119,7 +177,89 @@ class Admission:
                 CONTEXT_LENGTH_EXCEEDED,
             )
         self.check_token_ids(ids, "prompt")
-        return CheckedPrompt(ids)
+        checked = CheckedPrompt(ids)
+        if prepared:
+            checked.images = placed
+            checked.rope_positions = self.vision.encoder.rope_positions(ids, prepared)
+        return checked
+
+    def check_images(self, images: Sequence[ImageInput]) -> list[PreparedImage]:
+        """Each image decoded and checked once, then preprocessed for the encoder."""
+        if not images:
+            return []
+        if self.vision is None:
+            raise RequestError("this model takes no images: it is a text-only model", "images")
+        if self.vision.bidirectional_images:
+            raise RequestError(
+                "images are not served for this model (Gemma 3): its image tokens attend to "
+                "each other both ways, which gapless's attention does not yet do",
+                "images",
+            )
+        if len(images) > self.limit_mm_per_prompt:
+            raise RequestError(
+                f"the prompt has {len(images)} images, more than the limit of "
+                f"{self.limit_mm_per_prompt} per prompt (--limit-mm-per-prompt)",
+                "images",
+            )
+        return [self.vision.processor(self._open(image, i)) for i, image in enumerate(images)]
+
+    def _open(self, data: ImageInput, index: int) -> Image.Image:
+        """The image decoded, refused if it is empty, unreadable, or over the pixel cap (which
+        is checked on its header's size, before its pixels are decoded)."""
+        image = data
+        if isinstance(data, bytes):
+            if not data:
+                raise RequestError(f"image {index} is empty (0 bytes)", "images")
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", Image.DecompressionBombWarning)
+                    image = Image.open(io.BytesIO(data))
+            except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+                raise RequestError(
+                    f"image {index} is a decompression bomb ({e}); the pixel cap is "
+                    f"{self.max_image_pixels} pixels (--max-image-pixels)",
+                    "images",
+                ) from e
+            except (OSError, ValueError, SyntaxError) as e:
+                raise RequestError(f"image {index} is not a readable image: {e}", "images") from e
+        width, height = image.size
+        if width == 0 or height == 0:
+            raise RequestError(f"image {index} has zero size ({width}x{height})", "images")
+        if width * height > self.max_image_pixels:
+            raise RequestError(
+                f"image {index} has {width}x{height} = {width * height} pixels, more than the "
+                f"pixel cap of {self.max_image_pixels} (--max-image-pixels)",
+                "images",
+            )
+        try:
+            image.load()
+        except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt pixel data
+            raise RequestError(f"image {index} is not a readable image: {e}", "images") from e
+        return image
+
+    def _place_images(
+        self, ids: list[int], images: list[PreparedImage]
+    ) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """The prompt with each image's placeholder token expanded to the image's run."""
+        encoder = self.vision.encoder
+        token = encoder.image_token_id
+        slots = [i for i, t in enumerate(ids) if t == token]
+        if len(slots) != len(images):
+            raise RequestError(
+                f"the prompt has {len(slots)} image placeholders (token {token}) for "
+                f"{len(images)} images: it needs one per image",
+                "images",
+            )
+        expanded: list[int] = []
+        placed = []
+        taken = 0
+        for slot, image in zip(slots, images, strict=True):
+            expanded += ids[taken:slot]
+            n = encoder.tokens(image)
+            placed.append(PromptImage(len(expanded), n, image, image_key(image)))
+            expanded += [token] * n
+            taken = slot + 1
+        return expanded + ids[taken:], tuple(placed)
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         """Token ids a client sent as text (a prompt, ids to detokenize) must be in the

@@ -9,7 +9,7 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from gapless.device import rank_device
 from gapless.engine import distributed
-from gapless.engine.admission import Admission, RequestError
+from gapless.engine.admission import Admission, CheckedPrompt, ImageInput, RequestError
 from gapless.engine.cost_model import LEARNING_CHUNK, StepCostModel, step_features
 from gapless.engine.draft import DraftModel, check_same_tokenizer
 from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent, TokenLogprob
@@ -45,6 +45,7 @@ from gapless.model.quantize import (
     quantizer,
 )
 from gapless.model.tokenizer import Tokenizer
+from gapless.model.vision import VisionLanguageModel, is_vision_language, load_vision_language
 
 log = logging.getLogger("gapless.engine")
 
@@ -60,6 +61,10 @@ class QueueFull(RuntimeError):
 
 class EngineFailed(RuntimeError):
     """The engine can run no more steps (a tensor-parallel rank failed)."""
+
+
+# The --help section of the image options.
+IMAGES = "images (vision-language models)"
 
 
 @dataclass
@@ -153,6 +158,19 @@ class EngineConfig:
         positive=True,
         metavar="K",
     )
+    limit_mm_per_prompt: int = option(
+        4,
+        "the most images one prompt may hold (a vision-language model's)",
+        minimum=0,
+        section=IMAGES,
+    )
+    max_image_pixels: int = option(
+        4096 * 4096,
+        "the most pixels (width x height) an image may have; checked on its header, before "
+        "its pixels are decoded",
+        positive=True,
+        section=IMAGES,
+    )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -178,11 +196,14 @@ class Engine:
         config: EngineConfig | None = None,
         runner: ModelRunner | None = None,
         draft: Decoder | None = None,
+        vision: VisionLanguageModel | None = None,
     ) -> None:
         """`draft`: the draft model's decoder, with --speculate draft (its tokenizer checked
-        against `tokenizer` already)."""
+        against `tokenizer` already). `vision`: a vision-language model's encoder and
+        processor (its decoder is `decoder`): prompts may then hold images."""
         self.config = config = config or EngineConfig()
         self.decoder = decoder
+        self.vision = vision
         self.tokenizer = tokenizer
         mcfg, scheduling = decoder.config, config.scheduler
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
@@ -198,7 +219,7 @@ class Engine:
                 num_blocks = int(config.kv_memory_gib * 2**30) // per_block
                 # No point holding more than every running sequence at full context.
                 num_blocks = min(num_blocks, scheduling.max_num_seqs * -(-self.max_model_len // bs))
-            runner = ModelRunner(decoder, num_blocks, bs)
+            runner = ModelRunner(decoder, num_blocks, bs, vision and vision.encoder)
         self.draft = None
         if draft is not None:
             self.draft = DraftModel(draft, runner.num_blocks, runner.block_size)
@@ -255,6 +276,14 @@ class Engine:
             if config.num_threads:
                 torch.set_num_threads(config.num_threads)
             device = rank_device(config.device, 0)
+            if is_vision_language(path):
+                if config.quantize is not None:
+                    raise ValueError("--quantize is not supported for vision-language models")
+                if config.draft_model is not None:
+                    raise ValueError("a draft model is not supported for vision-language models")
+                vision = load_vision_language(path, config.dtype, device)
+                tokenizer = Tokenizer.from_pretrained(path)
+                return cls(vision.decoder, tokenizer, config, vision=vision)
             model = load_model(path, config.dtype, device, None, *quantize)
             draft = None
             if config.draft_model is not None:
@@ -268,6 +297,8 @@ class Engine:
                         f"target's {model[0].config.vocab_size}"
                     )
             return cls(*model, config, draft=draft)
+        if is_vision_language(path):
+            raise ValueError("tensor parallelism is not supported for vision-language models")
         check_shardable(read_model_config(path), config.tensor_parallel_size)  # spawns nothing
         launch = launch or distributed.Launch(threads=config.num_threads, device=config.device)
         owns_group = distributed.current() is None
@@ -313,20 +344,23 @@ class Engine:
         request_id: str | None = None,
         progress_callback: Callable[[ProgressEvent], None] | None = None,
         whole_prefill: bool = False,
+        images: Sequence[ImageInput] = (),
     ) -> str:
         """Queues a request (thread-safe); it starts at the next step. Returns its id.
 
         A request for n choices is n sequences under one id, told apart by their events'
-        `index`: the first prefills the prompt, the others fork from it (Scheduler.fork)."""
+        `index`: the first prefills the prompt, the others fork from it (Scheduler.fork).
+        With images (a vision-language model's), the prompt holds one image token per image
+        (Admission.check_prompt)."""
         params = params or SamplingParams()
         # A CheckedPrompt (the server checks its prompts while parsing, off the event loop) is
         # not scanned again. The params' checks cost little (a bounded number of stop ids), so
         # they run here on every path, the server's too.
-        ids = list(self.admission.check_prompt(prompt))
+        checked = self.admission.check_prompt(prompt, images=images)
         self.admission.check_params(params)
         request_id = request_id or uuid.uuid4().hex
         choices = [
-            self._choice(request_id, i, ids, params, progress_callback, whole_prefill)
+            self._choice(request_id, i, checked, params, progress_callback, whole_prefill)
             for i in range(params.n)
         ]
         first = choices[0]
@@ -386,7 +420,7 @@ class Engine:
         self,
         request_id: str,
         index: int,
-        ids: list[int],
+        checked: CheckedPrompt,
         params: SamplingParams,
         progress_callback: Callable[[ProgressEvent], None] | None,
         whole_prefill: bool,
@@ -399,7 +433,7 @@ class Engine:
             sampling.generator = torch.Generator().manual_seed(seed)
         if sampling.penalised:
             vocab = self.decoder.config.vocab_size
-            sampling.counts = TokenCounts(ids, [], vocab, self.decoder.device)
+            sampling.counts = TokenCounts(checked, [], vocab, self.decoder.device)
         if params.grammar is not None:
             try:
                 sampling.matcher = self.grammars.matcher(params.grammar)
@@ -410,7 +444,7 @@ class Engine:
             speculation = Speculation(self.config.num_speculative_tokens, self.draft)
         return Request(
             request_id,
-            ids,
+            list(checked),
             params,
             progress_callback,
             whole_prefill or self.whole_prefill,
@@ -418,6 +452,8 @@ class Engine:
             sampling=sampling,
             output=OutputStream(self.tokenizer, params),
             speculation=speculation,
+            images=checked.images,
+            rope_positions=checked.rope_positions,
         )
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> str:
@@ -436,7 +472,14 @@ class Engine:
     def admission(self) -> Admission:
         """The checks every request passes (admission.py), against the context this engine
         settled on in __init__."""
-        return Admission(self.tokenizer, self.max_model_len, self.decoder.config.vocab_size)
+        return Admission(
+            self.tokenizer,
+            self.max_model_len,
+            self.decoder.config.vocab_size,
+            self.vision,
+            self.config.limit_mm_per_prompt,
+            self.config.max_image_pixels,
+        )
 
     @property
     def has_work(self) -> bool:
@@ -524,6 +567,7 @@ class Engine:
             self._pool(req, req.num_computed, rows[0])
         # Proposed tokens count as computed only once accepted (_sample_runs).
         req.num_computed += chunk.num_tokens - len(chunk.draft)
+        req.drop_images_before(req.num_computed)
         self.scheduler.register_computed_blocks(req)
         if in_prompt and req.first_token_time is None:
             processed = min(req.num_computed, len(req.prompt_ids))

@@ -21,6 +21,7 @@ from gapless.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from gapless.engine.admission import PromptImage
     from gapless.engine.output import OutputStream
     from gapless.engine.speculation import Speculation
 
@@ -53,6 +54,10 @@ class Request:
     speculation: Speculation | None = None  # None: decodes one token a step
     # An embedding request's pooling (POOLINGS): it samples no token and ends with its prompt.
     pooling: str | None = None
+    # The prompt's images, in order (admission.py), and for M-RoPE (Qwen2.5-VL) its tokens'
+    # (t, h, w) positions [3, prompt length]; None: each token's index.
+    images: tuple[PromptImage, ...] = ()
+    rope_positions: torch.Tensor | None = None
 
     # The scheduler's.
     state: RequestState = RequestState.WAITING
@@ -64,6 +69,10 @@ class Request:
     cached_prompt_tokens: int = 0
     preemptions: int = 0
     admitted_seq: int = -1  # admission order, for choosing preemption victims
+
+    # The runner's: an image's embeddings by its index in `images`, from the step whose chunk
+    # first reaches it until the prompt is computed past it (or the request is preempted).
+    image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
 
     # The engine's.
     output_ids: list[int] = field(default_factory=list)
@@ -107,6 +116,20 @@ class Request:
         if start >= n:
             return self.output_ids[start - n : end - n]
         return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    def hash_tokens(self, start: int, end: int) -> list[int | tuple[str, int]]:
+        """tokens(start, end) as the prefix cache keys them: an image's rows by (its content
+        key, the offset into it), so that blocks match only where they hold the same image."""
+        keyed: list[int | tuple[str, int]] = list(self.tokens(start, end))
+        for image in self.images:
+            for p in range(max(start, image.start), min(end, image.end)):
+                keyed[p - start] = (image.key, p - image.start)
+        return keyed
+
+    def drop_images_before(self, position: int) -> None:
+        """Frees the embeddings of the images that end at or before position."""
+        for i in [i for i in self.image_embeds if self.images[i].end <= position]:
+            del self.image_embeds[i]
 
     def is_stop_token(self, token: int, eos_ids: set[int]) -> bool:
         """Whether `token`, just appended, ends the request as a stop token (it shows no

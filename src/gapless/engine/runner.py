@@ -8,10 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
+from gapless.engine.request import Request
 from gapless.engine.scheduler import ScheduledChunk
 from gapless.kernels import AttentionLayout, Span
 from gapless.model.decoder import BatchInput, Decoder
 from gapless.model.parallel import RankFailed
+from gapless.model.vision import MediaRegion, VisionEncoder, chunk_embeds, mrope_slice
 
 
 @dataclass
@@ -30,6 +32,10 @@ class ChunkInput:
     # Each token attends as a decode of its own (a draft's verification), so that its row is
     # computed exactly as a plain decode at its position computes it.
     decodes: bool = False
+    # The images' embeddings at the chunk's rows (rows counted from its first), if any.
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # M-RoPE's (t, h, w) positions [3, tokens]; None: each token's position.
+    rope_positions: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -47,9 +53,16 @@ class ModelRunner:
     # prompt whole.
     supports_chunked_prefill = True
 
-    def __init__(self, decoder: Decoder, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        decoder: Decoder,
+        num_blocks: int,
+        block_size: int,
+        encoder: VisionEncoder | None = None,
+    ) -> None:
         cfg = decoder.config
         self.decoder = decoder
+        self.encoder = encoder  # a vision-language model's: encodes a prompt's images
         self.kernels = decoder.kernels
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -162,7 +175,31 @@ class ModelRunner:
             hidden = "sum" if req.pooling == "mean" else "last"
         tokens = req.tokens(start, end - len(chunk.draft)) + chunk.draft
         verify = bool(chunk.draft)
-        return ChunkInput(tokens, start, table, all_logits or verify, hidden, verify)
+        rope = None if req.rope_positions is None else mrope_slice(req.rope_positions, start, end)
+        return ChunkInput(
+            tokens,
+            start,
+            table,
+            all_logits or verify,
+            hidden,
+            verify,
+            self._image_embeds(req, start, end),
+            rope,
+        )
+
+    @torch.inference_mode()
+    def _image_embeds(
+        self, req: Request, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The chunk's slices of the images it reaches; an image not yet encoded is encoded
+        here, once: its embeddings stay on the request until its prompt passes the image."""
+        regions = []
+        for i, image in enumerate(req.images):
+            if image.start < end and start < image.end:
+                if i not in req.image_embeds:
+                    req.image_embeds[i] = self.encoder.encode(image.image)
+                regions.append(MediaRegion(image.start, req.image_embeds[i], image.key))
+        return chunk_embeds(regions, start, end)
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -175,9 +212,21 @@ class ModelRunner:
         logit_rows: list[int] = []
         hidden_rows: list[int] = []
         spans: list[Span] = []
+        embed_rows: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []
+        mrope = any(chunk.rope_positions is not None for chunk in inputs)
+        rope_positions: list[torch.Tensor] = []
         for chunk in inputs:
             start, n = chunk.start, len(chunk.token_ids)
             row = len(token_ids)
+            if chunk.embeds is not None:
+                embed_rows.append(chunk.embeds[0] + row)
+                embeds.append(chunk.embeds[1])
+            if mrope:  # a prompt without images rotates every section by its position
+                plain = torch.arange(start, start + n).expand(3, -1)
+                rope_positions.append(
+                    plain if chunk.rope_positions is None else chunk.rope_positions
+                )
             token_ids += chunk.token_ids
             positions += range(start, start + n)
             write_slots += self._slots(chunk.block_table, start, start + n)
@@ -199,4 +248,6 @@ class ModelRunner:
             attention=self.kernels.plan_attention(self.attention_layout, spans),
             logit_rows=torch.tensor(logit_rows, device=dev),
             hidden_rows=torch.tensor(hidden_rows, device=dev) if hidden_rows else None,
+            embeds=(torch.cat(embed_rows).to(dev), torch.cat(embeds)) if embeds else None,
+            rope_positions=torch.cat(rope_positions, dim=1).to(dev) if mrope else None,
         )

@@ -261,7 +261,7 @@ class Scheduler:
         if self.config.enable_prefix_cache and not request.reads_every_prompt_row:
             # Recompute at least the last token: its logits pick the first output token (an
             # embedding pooled from the last token reads its hidden state).
-            hashes = block_hashes(request.tokens(0, request.num_tokens), bs)
+            hashes = block_hashes(request.hash_tokens(0, request.num_tokens), bs)
             cached = match_prefix(self.pool, hashes, (request.num_tokens - 1) // bs)
         else:
             hashes, cached = [], []
@@ -366,6 +366,7 @@ class Scheduler:
         request.block_table = []
         request.block_hashes = []
         request.num_registered = 0
+        request.image_embeds.clear()  # recomputed with the blocks, if the request runs again
 
     def settle_speculation(self, request: Request) -> None:
         """After a verification moved num_computed past the accepted proposals: offers their
@@ -386,7 +387,7 @@ class Scheduler:
             return
         done = len(request.block_hashes)
         parent = request.block_hashes[-1] if done else 0
-        tokens = request.tokens(done * bs, full * bs)
+        tokens = request.hash_tokens(done * bs, full * bs)
         request.block_hashes += block_hashes(tokens, bs, parent)
         for i in range(request.num_registered, full):
             if request.block_table[i] >= 0:

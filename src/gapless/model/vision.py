@@ -77,6 +77,15 @@ def vision_family_of(architecture: str | None) -> ModuleType:
     )
 
 
+def is_vision_language(path: str | Path) -> bool:
+    """Whether a checkpoint is a directory whose config names a vision-language architecture."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    architectures = json.loads(config.read_text()).get("architectures") or [None]
+    return any(architectures[0] in family.ARCHITECTURES for family in VISION_FAMILIES)
+
+
 class VisionEncoder(Protocol):
     @property
     def image_token_id(self) -> int:
@@ -103,6 +112,9 @@ class VisionLanguageModel:
     decoder: Decoder
     encoder: VisionEncoder
     processor: ImageProcessor
+    # Gemma 3: an image's tokens attend to each other both ways (docs/vision.md), which the
+    # decoder does not do; the engine refuses its images.
+    bidirectional_images: bool = False
 
 
 def load_vision_language(
@@ -129,7 +141,8 @@ def load_vision_language(
     decoder = build_decoder(cfg, text, kernels)
     if hasattr(family, "adapt_decoder"):
         family.adapt_decoder(vcfg, decoder)
-    return VisionLanguageModel(decoder, encoder, ImageProcessor.from_pretrained(path))
+    processor = ImageProcessor.from_pretrained(path)
+    return VisionLanguageModel(decoder, encoder, processor, family is gemma3_vision)
 
 
 @dataclass
@@ -165,11 +178,18 @@ class PromptImages:
         """BatchInput.rope_positions of the tokens start..end-1, the prompt's or, past its end,
         decoded ones (their index moved by what the images' grids saved, the same on t, h and
         w); None without M-RoPE."""
-        if (prompt := self.rope_positions) is None:
+        if self.rope_positions is None:
             return None
-        n = prompt.shape[1]
-        decoded = torch.arange(max(start, n), max(end, n)) + int(prompt.max()) + 1 - n
-        return torch.cat((prompt[:, start:end], decoded.expand(3, -1)), dim=1)
+        return mrope_slice(self.rope_positions, start, end)
+
+
+def mrope_slice(prompt: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """M-RoPE positions [3, end - start] of tokens start..end-1 of a sequence whose prompt's
+    are `prompt` [3, prompt length]: past it, decoded tokens' index moved by what the images'
+    grids saved, the same on t, h and w."""
+    n = prompt.shape[1]
+    decoded = torch.arange(max(start, n), max(end, n)) + int(prompt.max()) + 1 - n
+    return torch.cat((prompt[:, start:end], decoded.expand(3, -1)), dim=1)
 
 
 @torch.inference_mode()

@@ -1,0 +1,203 @@
+"""Images through the engine (issue 28): a request's image tokens prefill in chunks like text,
+its encoder runs once per image in the step that first reaches it, and the tokens equal
+transformers' generate; chunks of 16 that cut the regions give the same tokens; the prefix
+cache shares blocks only for the same image; cancelling frees blocks and embeddings; and each
+bad image is refused at admission with a message naming its limit."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import write_test_tokenizer
+from PIL import Image
+from test_model import prompt
+from test_vision import IMAGE_TOKEN, IMAGES, hf_inputs, hf_vlm, make_llava, make_qwen2_5_vl
+
+from gapless.engine.admission import RequestError
+from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.events import TokenEvent
+from gapless.engine.sampling_params import SamplingParams
+
+MAKERS = {"llava": lambda out: make_llava(out, "clip"), "qwen2_5_vl": make_qwen2_5_vl}
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory):
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            path = MAKERS[name](tmp_path_factory.mktemp(name))
+            write_test_tokenizer(path)
+            built[name] = path
+        return built[name]
+
+    return get
+
+
+def engine_of(path: Path, chunk: int = 512, **options) -> Engine:
+    config = EngineConfig.of(
+        dtype="float32",
+        kv_cache_tokens=2048,
+        speculate="none",
+        prefill_chunk=chunk,
+        idle_prefill_chunk=chunk,
+        **options,
+    )
+    return Engine.from_pretrained(path, config)
+
+
+def png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+def two_image_prompt() -> list[int]:
+    """Text, an image's placeholder, text, the next image's, text."""
+    return prompt(13, seed=1) + [IMAGE_TOKEN] + prompt(9, seed=2) + [IMAGE_TOKEN] + prompt(5)
+
+
+def run(engine: Engine, ids: list[int], images: list, max_tokens: int = NEW_TOKENS) -> list[int]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    request_id = engine.add_request(ids, params, images=[png(i) for i in images])
+    tokens = []
+    while engine.has_work:
+        tokens += [t for e in engine.step() if isinstance(e, TokenEvent) for t in e.token_ids]
+        assert request_id  # the request's own events are the only ones here
+    return tokens
+
+
+def expected(path: Path, engine: Engine, ids: list[int], images: list) -> list[int]:
+    """transformers' greedy tokens for the prompt with each placeholder expanded."""
+    expanded = list(engine.admission.check_prompt(ids, images=[png(i) for i in images]))
+    hf, hf_processor = hf_vlm(path)
+    inputs = hf_inputs(hf_processor, images, expanded)
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([expanded]),
+            **inputs,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+    return out[0, len(expanded) :].tolist()
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_greedy_tokens_with_two_images_equal_transformers_whole_and_in_16_token_chunks(
+    vlm, name: str
+) -> None:
+    path = vlm(name)
+    whole = engine_of(path)
+    ids, images = two_image_prompt(), IMAGES[:2]
+    want = expected(path, whole, ids, images)
+    assert run(whole, ids, images) == want
+    chunked = engine_of(path, chunk=16, enable_prefix_cache=False)
+    placed = chunked.admission.check_prompt(ids, images=[png(i) for i in images]).images
+    assert any(p.start % 16 and p.length > 16 - p.start % 16 for p in placed)  # a chunk cuts one
+    assert run(chunked, ids, images) == want
+    assert chunked.pool.num_used == 0
+
+
+def test_image_request_beside_decodes_keeps_one_token_per_step(vlm) -> None:
+    engine = engine_of(vlm("llava"), chunk=16)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    streams = [engine.add_request(prompt(7, seed=10 + i), params) for i in range(3)]
+    for _ in range(3):
+        engine.step()  # the streams' prompts are done; they decode from here
+    engine.add_request(two_image_prompt(), params, images=[png(i) for i in IMAGES[:2]])
+    for _ in range(6):
+        tokens = {e.request_id for e in engine.step() if isinstance(e, TokenEvent)}
+        assert set(streams) <= tokens
+
+
+def test_cancel_during_prefill_frees_blocks_and_embeddings(vlm) -> None:
+    engine = engine_of(vlm("llava"), chunk=16)
+    request_id = engine.add_request(
+        two_image_prompt(), SamplingParams(max_tokens=4), images=[png(IMAGES[0]), png(IMAGES[1])]
+    )
+    engine.step()  # the first chunk reaches the first image: it is encoded
+    [req] = engine.scheduler.running
+    assert req.image_embeds
+    engine.cancel(request_id)
+    engine.step()
+    assert not req.image_embeds
+    assert engine.pool.num_used == 0
+    assert not engine.has_work
+
+
+def test_embeddings_are_freed_once_the_prompt_passes_the_image(vlm) -> None:
+    engine = engine_of(vlm("llava"), chunk=16)
+    engine.add_request(
+        two_image_prompt(), SamplingParams(max_tokens=8), images=[png(IMAGES[0]), png(IMAGES[1])]
+    )
+    engine.step()
+    [req] = engine.scheduler.running
+    seen = set()
+    while req.num_computed < len(req.prompt_ids):
+        seen |= set(req.image_embeds)
+        for i in req.image_embeds:
+            assert req.images[i].end > req.num_computed  # not yet passed
+        engine.step()
+    assert seen == {0, 1}
+    assert not req.image_embeds
+
+
+def test_prefix_cache_shares_blocks_for_the_same_image_only(vlm) -> None:
+    engine = engine_of(vlm("llava"))
+    ids = prompt(40, seed=3) + [IMAGE_TOKEN] + prompt(20, seed=4)
+    cached = []
+    for image in (IMAGES[0], IMAGES[0], IMAGES[1]):
+        run(engine, ids, [image], max_tokens=1)
+        cached.append(engine.scheduler.prefix_hit_tokens)
+    first, same, other = cached[0], cached[1] - cached[0], cached[2] - cached[1]
+    placed = engine.admission.check_prompt(ids, images=[png(IMAGES[0])]).images[0]
+    assert first == 0
+    assert same >= placed.end // 16 * 16  # the image's blocks served again
+    assert other == placed.start // 16 * 16  # only the text before it
+
+
+def test_text_only_model_refuses_images(tmp_path: Path) -> None:
+    from checkpoints import make_checkpoint
+
+    engine = Engine.from_pretrained(make_checkpoint(tmp_path, "llama"), EngineConfig.of())
+    with pytest.raises(RequestError, match="takes no images"):
+        engine.add_request([1, 2, 3], images=[png(IMAGES[0])])
+
+
+def bomb() -> bytes:
+    """A tiny PNG whose header declares 20000 x 20000 pixels."""
+    out = io.BytesIO()
+    Image.new("1", (20_000, 20_000)).save(out, "PNG")
+    return out.getvalue()
+
+
+BAD = {
+    "corrupt": (lambda: b"\x89PNG\r\n\x1a\nnot really", "not a readable image"),
+    "truncated": (lambda: png(IMAGES[0])[:60], "not a readable image"),
+    "empty": (lambda: b"", "empty"),
+    "bomb": (bomb, "--max-image-pixels"),
+    "too many pixels": (lambda: png(Image.new("RGB", (200, 200))), "--max-image-pixels"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_images_are_refused_naming_the_limit(vlm, case: str) -> None:
+    engine = engine_of(vlm("llava"), max_image_pixels=100 * 100)
+    data, message = BAD[case]
+    with pytest.raises(RequestError, match=message) as caught:
+        engine.add_request(two_image_prompt(), images=[data(), png(IMAGES[0])])
+    assert caught.value.param == "images"
+
+
+def test_too_many_images_and_placeholder_mismatch_are_refused(vlm) -> None:
+    engine = engine_of(vlm("llava"), limit_mm_per_prompt=1)
+    with pytest.raises(RequestError, match="--limit-mm-per-prompt"):
+        engine.add_request(two_image_prompt(), images=[png(IMAGES[0]), png(IMAGES[1])])
+    with pytest.raises(RequestError, match="placeholders"):
+        engine.add_request(two_image_prompt(), images=[png(IMAGES[0])])
