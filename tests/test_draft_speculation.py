@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from test_speculation import Run, check_speculation_ran, greedy, prompt
+from test_speculation import Run, cancel_once_it_verifies, check_speculation_ran, greedy, prompt
 
 from gapless.engine.draft import check_same_tokenizer
 from gapless.engine.engine import Engine, EngineConfig
@@ -76,16 +76,7 @@ def test_cancel_during_verification_frees_both_pools_and_leaves_others_unchanged
     engine = engine_of(target, speculate="draft", draft_model=str(target))
     run = Run(engine)
     a, b = run.add(pa, greedy(40)), run.add(pb, greedy(40))
-    cancelled = []
-    schedule = engine.scheduler.schedule
-
-    def cancel_a_once_it_verifies() -> list:
-        chunks = schedule()
-        if not cancelled and any(c.draft and c.request.request_id == a for c in chunks):
-            cancelled.append(engine.cancel(a))  # arrives while its proposals are verified
-        return chunks
-
-    engine.scheduler.schedule = cancel_a_once_it_verifies
+    cancelled = cancel_once_it_verifies(engine, a)
     while a not in run.finished:
         run.step()
     assert cancelled == [True]

@@ -178,6 +178,23 @@ def test_default_model_greedy_tokens_are_the_same_with_and_without_speculation()
     assert engine.metrics.speculative_accepted_tokens >= 10
 
 
+def cancel_once_it_verifies(engine: Engine, request_id: str) -> list[bool]:
+    """Cancels the request in the first step that verifies its proposals, after that step is
+    scheduled and before it runs: the cancel arrives while they are verified. The list gets
+    cancel()'s answer."""
+    cancelled: list[bool] = []
+    schedule = engine.scheduler.schedule
+
+    def schedule_then_cancel() -> list:
+        chunks = schedule()
+        if not cancelled and any(c.draft and c.request.request_id == request_id for c in chunks):
+            cancelled.append(engine.cancel(request_id))
+        return chunks
+
+    engine.scheduler.schedule = schedule_then_cancel
+    return cancelled
+
+
 def test_cancel_during_verification_frees_blocks_and_leaves_others_unchanged(checkpoint, oracle):
     path = checkpoint("llama")
     pa, pb = prompt(40, 1), prompt(50, 2)
@@ -186,17 +203,7 @@ def test_cancel_during_verification_frees_blocks_and_leaves_others_unchanged(che
     engine = engine_of(path)
     run = Run(engine)
     a, b = run.add(pa, greedy(60)), run.add(pb, greedy(60))
-    cancelled = []
-    schedule = engine.scheduler.schedule
-
-    def cancel_a_once_it_verifies() -> list:
-        chunks = schedule()
-        if not cancelled and any(c.draft and c.request.request_id == a for c in chunks):
-            # The step runs after this: the cancel arrives while its draft is verified.
-            cancelled.append(engine.cancel(a))
-        return chunks
-
-    engine.scheduler.schedule = cancel_a_once_it_verifies
+    cancelled = cancel_once_it_verifies(engine, a)
     while a not in run.finished:
         run.step()
     assert cancelled == [True]
