@@ -129,6 +129,7 @@ llm = LLM(sys.argv[1], dtype="float32", tensor_parallel_size=2, num_threads=1)
 print("built", flush=True)
 if sys.argv[2] == "hang":
     time.sleep(600)
+sys.stdin.readline()  # exits once the test has seen its ranks
 """
 
 
@@ -138,7 +139,10 @@ def test_no_rank_outlives_the_process_that_made_its_llm(checkpoint, end):
     that their parent is gone."""
     script = [sys.executable, "-c", MAKE_LLM, str(checkpoint("llama"))]
     proc = subprocess.Popen(
-        [*script, "hang" if end == "killed" else "exit"], stdout=subprocess.PIPE, text=True
+        [*script, "hang" if end == "killed" else "exit"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "built\n"
@@ -146,6 +150,8 @@ def test_no_rank_outlives_the_process_that_made_its_llm(checkpoint, end):
         assert len(ranks) == 1
         if end == "killed":
             proc.send_signal(signal.SIGKILL)
+        else:
+            proc.communicate("\n", timeout=60)  # now it exits
         assert proc.wait(timeout=60) == (-signal.SIGKILL if end == "killed" else 0)
         assert wait_gone(ranks) == set()
     finally:
