@@ -45,6 +45,15 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer) -> None:
             )
 
 
+def check_draft(target: tuple[Decoder, Tokenizer], draft: tuple[Decoder, Tokenizer]) -> None:
+    """Raises ValueError unless the draft can propose the target's tokens: the same tokenizer,
+    and as many vocabulary rows (its logits index the target's ids)."""
+    check_same_tokenizer(target[1], draft[1])
+    rows, draft_rows = target[0].config.vocab_size, draft[0].config.vocab_size
+    if draft_rows != rows:
+        raise ValueError(f"the draft model's vocabulary has {draft_rows} rows, the target's {rows}")
+
+
 class DraftModel:
     def __init__(self, decoder: Decoder, num_blocks: int, block_size: int) -> None:
         self.runner = ModelRunner(decoder, num_blocks, block_size)

@@ -21,7 +21,7 @@ from gapless.device import rank_device
 from gapless.engine import distributed
 from gapless.engine.admission import Admission, CheckedPrompt, ImageInput, RequestError
 from gapless.engine.cost_model import LEARNING_CHUNK, StepCostModel, step_features
-from gapless.engine.draft import DraftModel, check_same_tokenizer
+from gapless.engine.draft import DraftModel, check_draft
 from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent, TokenLogprob
 from gapless.engine.metrics import EngineMetrics
 from gapless.engine.options import check, option, split
@@ -290,12 +290,7 @@ class Engine:
                 draft, draft_tokenizer = load_model(
                     config.draft_model, config.dtype, device, None, *quantize
                 )
-                check_same_tokenizer(model[1], draft_tokenizer)
-                if draft.config.vocab_size != model[0].config.vocab_size:
-                    raise ValueError(
-                        f"the draft model's vocabulary has {draft.config.vocab_size} rows, the "
-                        f"target's {model[0].config.vocab_size}"
-                    )
+                check_draft(model, (draft, draft_tokenizer))
             return cls(*model, config, draft=draft)
         if is_vision_language(path):
             raise ValueError("tensor parallelism is not supported for vision-language models")
