@@ -18,6 +18,7 @@ import openai
 import pytest
 from server_fixture import MODEL, running_server
 
+from gapless.server.images import ImageReader
 from gapless.server.openai_chat import parse_chat
 
 HERMES_TEMPLATE = """{{ bos_token }}
@@ -173,7 +174,7 @@ def test_a_tool_conversation_reaches_the_template_in_transformers_shape(server):
     ]
     engine = server.engine
     body = {"messages": messages, "tools": TOOLS}
-    parsed = parse_chat(body, engine.admission, engine.grammars)
+    parsed = parse_chat(body, engine.admission, engine.grammars, ImageReader())
     text = engine.tokenizer.decode(parsed.prompt_ids, skip_special_tokens=False)
     assert (
         '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'

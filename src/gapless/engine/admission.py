@@ -58,6 +58,11 @@ class PromptImage:
         return self.start + self.length
 
 
+class CheckedImages(list[PreparedImage]):
+    """Images that passed Admission.check_images, preprocessed: check_prompt takes them as they
+    are."""
+
+
 class CheckedPrompt(list[int]):
     """Prompt ids that passed Admission.check_prompt: add_request takes them as they are, with
     their images and (M-RoPE) positions."""
@@ -121,9 +126,7 @@ class Admission:
         apply_chat_template takes; template_kwargs (tools, ...) are the template's variables,
         whatever their names (`self` too)."""
         # The rendered prompt holds every message's content.
-        self.check_length(
-            sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
-        )
+        self.check_length(sum(_content_chars(m.get("content")) for m in messages))
         try:
             return self.tokenizer.encode_chat(messages, **template_kwargs)
         except ValueError as e:  # no template, or the template rejected the conversation
@@ -134,7 +137,7 @@ class Admission:
         prompt: str | list[int],
         output: bool = True,
         truncate: bool = False,
-        images: Sequence[ImageInput] = (),
+        images: Sequence[ImageInput] | CheckedImages = (),
     ) -> CheckedPrompt:
         """A prompt's ids (a text is encoded), refused if empty, if they leave no room for
         output in the context, or if one is outside the vocabulary.
@@ -146,7 +149,7 @@ class Admission:
         as its chat template writes it) per image, in order; each becomes the image's run."""
         if isinstance(prompt, CheckedPrompt):
             return prompt
-        prepared = self.check_images(images)
+        prepared = images if isinstance(images, CheckedImages) else self.check_images(images)
         most = self.max_model_len - 1 if output else self.max_model_len
         ids = prompt
         if isinstance(prompt, str) and truncate:
@@ -160,7 +163,7 @@ class Admission:
         if not ids:
             raise RequestError("the prompt is empty", "prompt", None)
         if prepared:
-            ids, placed = self._place_images(ids, prepared)
+            ids, placed = self.place_images(ids, prepared)
         if truncate:
             ids = ids[:most]
         if len(ids) > most:
@@ -183,10 +186,10 @@ class Admission:
             checked.rope_positions = self.vision.encoder.rope_positions(ids, prepared)
         return checked
 
-    def check_images(self, images: Sequence[ImageInput]) -> list[PreparedImage]:
+    def check_images(self, images: Sequence[ImageInput]) -> CheckedImages:
         """Each image decoded and checked once, then preprocessed for the encoder."""
         if not images:
-            return []
+            return CheckedImages()
         if self.vision is None:
             raise RequestError("this model takes no images: it is a text-only model", "images")
         if self.vision.bidirectional_images:
@@ -201,7 +204,9 @@ class Admission:
                 f"{self.limit_mm_per_prompt} per prompt (--limit-mm-per-prompt)",
                 "images",
             )
-        return [self.vision.processor(self._open(image, i)) for i, image in enumerate(images)]
+        return CheckedImages(
+            self.vision.processor(self._open(image, i)) for i, image in enumerate(images)
+        )
 
     def _open(self, data: ImageInput, index: int) -> Image.Image:
         """The image decoded, refused if it is empty, unreadable, or over the pixel cap (which
@@ -237,8 +242,13 @@ class Admission:
             raise RequestError(f"image {index} is not a readable image: {e}", "images") from e
         return image
 
-    def _place_images(
-        self, ids: list[int], images: list[PreparedImage]
+    def expand_images(self, ids: list[int], images: CheckedImages) -> list[int]:
+        """Prompt ids as the model takes them, each image's placeholder expanded to its run:
+        what a count of the prompt's tokens counts."""
+        return self.place_images(ids, images)[0] if images else ids
+
+    def place_images(
+        self, ids: list[int], images: CheckedImages
     ) -> tuple[list[int], tuple[PromptImage, ...]]:
         """The prompt with each image's placeholder token expanded to the image's run."""
         encoder = self.vision.encoder
@@ -292,6 +302,16 @@ class Admission:
                 None,
             )
         _check_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
+
+
+def _content_chars(content: Any) -> int:
+    """The characters of a message's content: a string, or a list of parts (text and images)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        texts = (part.get("text") for part in content if isinstance(part, dict))
+        return sum(len(text) for text in texts if isinstance(text, str))
+    return 0
 
 
 def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:

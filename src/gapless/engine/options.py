@@ -73,8 +73,9 @@ def add_flags(parser: argparse.ArgumentParser, *configs: type) -> None:
                     exclusive[opt.exclusive] = where.add_mutually_exclusive_group()
                 where = exclusive[opt.exclusive]
             flag = opt.flag or "--" + f.name.replace("_", "-")
-            if f.default is True:
-                where.add_argument(flag, dest=f.name, action="store_false", help=opt.help)
+            if isinstance(f.default, bool):  # a switch: its flag sets what is not the default
+                action = "store_false" if f.default else "store_true"
+                where.add_argument(flag, dest=f.name, action=action, help=opt.help)
                 continue
             kind = _scalar_type(f.type)
             shown = "" if f.default is None else " (%(default)s)"

@@ -16,7 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gapless.engine.admission import Admission
+from gapless.engine.admission import Admission, CheckedImages
 from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.structured import GrammarCompiler
@@ -30,6 +30,7 @@ from gapless.server.endpoint import (
     read_json,
     sse,
 )
+from gapless.server.images import ImageReader, MessageContent, decode_base64
 from gapless.server.protocol import APIError, bool_field, int_field, invalid
 from gapless.server.tool_calls import ToolCall, ToolRequest
 
@@ -38,7 +39,7 @@ _ERROR_TYPES = {"server_error": "api_error"}
 # A message's id is this and the request's id.
 ID_PREFIX = "msg_"
 # The request's names for the engine's fields.
-FIELD_NAMES = {"prompt": "messages", "stop": "stop_sequences"}
+FIELD_NAMES = {"prompt": "messages", "images": "messages", "stop": "stop_sequences"}
 
 
 def error_body(error: APIError) -> dict[str, Any]:
@@ -69,24 +70,39 @@ def _tool_call(block: dict[str, Any], param: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _turn(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
-    """One Anthropic message as template messages: its tool_result blocks become `tool`
-    messages (answering the previous assistant turn, so they come first), its text and
-    tool_use blocks one user or assistant message."""
+def _image(block: dict[str, Any], param: str, reader: ImageReader) -> bytes:
+    """An image block's bytes: its source is base64 data, or a URL."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        return decode_base64(source.get("data"), f"{param}.source.data")
+    if kind == "url":
+        return reader.url(source.get("url"), f"{param}.source.url")
+    raise invalid("an image block needs a source of type base64 or url", f"{param}.source")
+
+
+def _turn(
+    message: dict[str, Any], index: int, reader: ImageReader
+) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """One Anthropic message as template messages, and its images: its tool_result blocks
+    become `tool` messages (answering the previous assistant turn, so they come first), its
+    text, image and tool_use blocks one user or assistant message."""
     param, role = f"messages[{index}]", message["role"]
     content = message.get("content")
     if isinstance(content, str):
-        return [{"role": role, "content": content}]
+        return [{"role": role, "content": content}], []
     if not isinstance(content, list):
         raise invalid("content must be a string or a list of content blocks", f"{param}.content")
-    texts: list[str] = []
+    own = MessageContent()
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, block in enumerate(content):
         where = f"{param}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+            own.text(block["text"])
+        elif kind == "image" and role == "user":
+            own.image(_image(block, where, reader))
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_call(block, where))
         elif kind == "tool_result" and role == "user":
@@ -96,14 +112,15 @@ def _turn(message: dict[str, Any], index: int) -> list[dict[str, Any]]:
             )
         else:
             raise invalid(
-                f"unsupported content block {kind!r} in a {role} message; text, tool_use "
-                "(assistant) and tool_result (user) are",
+                f"unsupported content block {kind!r} in a {role} message; text, image (user), "
+                "tool_use (assistant) and tool_result (user) are",
                 where,
             )
-    turn: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+    turn: dict[str, Any] = {"role": role, "content": own.template_content()}
     if calls:
         turn["tool_calls"] = calls
-    return results + [turn] if texts or calls or not results else results
+    turns = results + [turn] if own.parts or calls or not results else results
+    return turns, own.images
 
 
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -151,25 +168,32 @@ def tool_request(body: dict[str, Any]) -> ToolRequest | None:
 
 
 def prompt_ids_of(
-    body: dict[str, Any], admission: Admission, tools: ToolRequest | None
-) -> list[int]:
+    body: dict[str, Any], admission: Admission, reader: ImageReader, tools: ToolRequest | None
+) -> tuple[list[int], CheckedImages]:
     """The ids of `system`, `messages` and the tools offered through the chat template, not
-    yet checked as a prompt (count_tokens counts them whatever their length)."""
+    yet checked as a prompt (count_tokens counts them whatever their length), and the
+    messages' images, checked."""
     messages = protocol.chat_messages(body, ("user", "assistant"))
     conversation = []
+    raw_images: list[bytes] = []
     system = protocol.text_content(body.get("system"), "system")
     if system:
         conversation.append({"role": "system", "content": system})
     for i, message in enumerate(messages):
-        conversation += _turn(message, i)
+        turns, images = _turn(message, i, reader)
+        conversation += turns
+        raw_images += images
+    # Before the template: a text-only template would render an image part as garbage.
+    checked = admission.check_images(raw_images)
     offered = {"tools": tools.tools if tools is not None and tools.tools else None}
-    return admission.encode_chat(conversation, **offered)
+    return admission.encode_chat(conversation, **offered), checked
 
 
 def parse_messages(
     body: dict[str, Any],
     admission: Admission,
     grammars: GrammarCompiler,
+    reader: ImageReader,
     configured_parser: str | None,
 ) -> ParsedMessages:
     requested = int_field(body, "max_tokens")
@@ -178,7 +202,8 @@ def parse_messages(
     if requested < 1:
         raise invalid(f"max_tokens must be at least 1, got {requested}", "max_tokens")
     tools = tool_request(body)
-    prompt_ids = admission.check_prompt(prompt_ids_of(body, admission, tools))
+    ids, images = prompt_ids_of(body, admission, reader, tools)
+    prompt_ids = admission.check_prompt(ids, images=images)
     fields = protocol.number_fields(
         body,
         floats={"temperature": "temperature", "top_p": "top_p"},
@@ -320,16 +345,21 @@ async def messages(state: ServerState, request: Request) -> Response:
     body = await read_json(state, request)
     protocol.check_model(body.get("model"), state.settings.served_model_name)
     engine, parser = state.engine, state.settings.tool_call_parser
-    parse = partial(parse_messages, body, engine.admission, engine.grammars, parser)
+    reader = state.settings.image_reader
+    parse = partial(parse_messages, body, engine.admission, engine.grammars, reader, parser)
     return await generate(state, FIELD_NAMES, parse, partial(_MessageRenderer, state))
+
+
+def _count(body: dict[str, Any], admission: Admission, reader: ImageReader) -> int:
+    ids, images = prompt_ids_of(body, admission, reader, tool_request(body))
+    return len(admission.expand_images(ids, images))
 
 
 async def count_tokens(state: ServerState, request: Request) -> Response:
     body = await read_json(state, request)
     protocol.check_model(body.get("model"), state.settings.served_model_name)
-    count = partial(prompt_ids_of, body, state.engine.admission, tool_request(body))
-    prompt_ids = await parse_off_loop(FIELD_NAMES, count)
-    return JSONResponse({"input_tokens": len(prompt_ids)})
+    count = partial(_count, body, state.engine.admission, state.settings.image_reader)
+    return JSONResponse({"input_tokens": await parse_off_loop(FIELD_NAMES, count)})
 
 
 ROUTES = [

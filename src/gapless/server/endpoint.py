@@ -33,6 +33,7 @@ from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEven
 from gapless.engine.options import check, option
 from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
 from gapless.server import protocol
+from gapless.server.images import ImageReader
 from gapless.server.protocol import APIError
 from gapless.server.response_store import ResponseStore
 from gapless.server.tool_calls import PARSERS
@@ -93,6 +94,22 @@ class ServerSettings:
         "generate: every endpoint, embeddings included; embed: the embedding endpoints only",
         choices=TASKS,
     )
+    allow_image_urls: bool = option(
+        False,
+        "fetch the http(s) image URLs that requests name (off: images come as data: URLs or "
+        "base64); the server then fetches what a client names, so turn it on only for "
+        "trusted clients",
+    )
+    image_url_max_mb: float = option(
+        20.0, "the largest image fetched from a URL, in MiB", positive=True
+    )
+    image_url_timeout_s: float = option(
+        10.0,
+        "the longest an image URL's fetch may take, whole",
+        positive=True,
+        flag="--image-url-timeout",
+        metavar="SECONDS",
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -100,6 +117,12 @@ class ServerSettings:
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 2**20)
+
+    @property
+    def image_reader(self) -> ImageReader:
+        return ImageReader(
+            self.allow_image_urls, int(self.image_url_max_mb * 2**20), self.image_url_timeout_s
+        )
 
 
 class ServerState:

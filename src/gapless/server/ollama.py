@@ -47,6 +47,7 @@ from gapless.server.endpoint import (
     ndjson,
     read_json,
 )
+from gapless.server.images import MessageContent, decode_base64
 from gapless.server.openai_embeddings import BATCH_CONTEXTS, MAX_INPUTS, check_dimensions
 from gapless.server.openai_embeddings import check_prompts as check_embedding_prompts
 from gapless.server.protocol import APIError, bool_field, invalid, str_field
@@ -102,7 +103,7 @@ def _check_model(state: ServerState, body: dict[str, Any]) -> str:
 
 def field_names(chat: bool) -> FieldNames:
     """The request's names for the engine's fields: a chat's prompt is its messages."""
-    return {**_OPTION_NAMES, "prompt": "messages"} if chat else _OPTION_NAMES
+    return {**_OPTION_NAMES, "prompt": "messages", "images": "messages"} if chat else _OPTION_NAMES
 
 
 def _check_samplers(options: dict[str, Any]) -> None:
@@ -167,15 +168,42 @@ def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     raise invalid(f"think must be true, false or one of {', '.join(THINK_LEVELS)}", "think")
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
+def _images(value: Any, param: str) -> list[bytes]:
+    """`images`: a list of base64 strings."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise invalid("images must be a list of base64 strings", param)
+    return [decode_base64(data, f"{param}[{j}]") for j, data in enumerate(value)]
+
+
+def _with_images(message: dict[str, Any], images: list[bytes]) -> dict[str, Any]:
+    """A message whose images come before its text, as Ollama places them."""
+    if not images:
+        return message
+    content = MessageContent()
+    for data in images:
+        content.image(data)
+    content.text(message.get("content") or "")
+    out = {k: v for k, v in message.items() if k != "images"}
+    return {**out, "content": content.template_content()}
+
+
+def _messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The messages as the chat template takes them, and their images in order."""
+    out, images = [], []
     for i, message in enumerate(protocol.chat_messages(body, CHAT_ROLES)):
-        if message.get("images"):
-            raise invalid("images are not supported", f"messages[{i}].images")
         if not isinstance(message.get("content", ""), str):
             raise invalid("content must be a string", f"messages[{i}].content")
-        out.append(protocol.template_message(message, f"messages[{i}]"))
-    return out
+        own = _images(message.get("images"), f"messages[{i}].images")
+        if own and message["role"] != "user":
+            raise invalid(
+                f"images are taken in user messages, not in a {message['role']} message",
+                f"messages[{i}].images",
+            )
+        images += own
+        out.append(protocol.template_message(_with_images(message, own), f"messages[{i}]"))
+    return out, images
 
 
 def _tools(body: dict[str, Any]) -> ToolRequest | None:
@@ -191,8 +219,11 @@ def parse_chat(
 ) -> ParsedOllama:
     tools = _tools(body)
     offered = tools.tools if tools is not None and tools.tools else None
-    messages, kwargs = _messages(body), _template_kwargs(body)
-    prompt_ids = admission.check_prompt(admission.encode_chat(messages, tools=offered, **kwargs))
+    (messages, raw_images), kwargs = _messages(body), _template_kwargs(body)
+    # Before the template: a text-only template would render an image part as garbage.
+    images = admission.check_images(raw_images)
+    ids = admission.encode_chat(messages, tools=offered, **kwargs)
+    prompt_ids = admission.check_prompt(ids, images=images)
     fields = _sampling(body, admission, grammars, len(prompt_ids))
     chat_template = admission.tokenizer.chat_template
     parser = tool_calls.apply_tools(tools, fields, grammars, chat_template, configured_parser)
@@ -207,8 +238,8 @@ def parse_generate(
     prompt = str_field(body, "prompt") or ""
     system = str_field(body, "system")
     kwargs = _template_kwargs(body)
-    if body.get("images"):
-        raise invalid("images are not supported", "images")
+    raw_images = _images(body.get("images"), "images")
+    images = admission.check_images(raw_images)
     if str_field(body, "suffix"):
         raise invalid(
             "suffix (fill-in-the-middle) needs a template that places text after the "
@@ -216,11 +247,13 @@ def parse_generate(
             "suffix",
         )
     if bool_field(body, "raw") or admission.tokenizer.chat_template is None:
-        prompt_ids = admission.check_prompt(prompt)
+        # The prompt holds the images' placeholders itself.
+        prompt_ids = admission.check_prompt(prompt, images=images)
     else:
         messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": prompt})
-        prompt_ids = admission.check_prompt(admission.encode_chat(messages, **kwargs))
+        messages.append(_with_images({"role": "user", "content": prompt}, raw_images))
+        ids = admission.encode_chat(messages, **kwargs)
+        prompt_ids = admission.check_prompt(ids, images=images)
     fields = _sampling(body, admission, grammars, len(prompt_ids))
     return ParsedOllama(prompt_ids, SamplingParams(**fields), _stream(body))
 
@@ -568,6 +601,8 @@ async def show(state: ServerState, request: Request) -> Response:
     capabilities = ["embedding"]
     if state.settings.task != "embed":
         capabilities[:0] = ["completion"] + (["tools"] if takes_tools(template) else [])
+        if state.engine.admission.vision is not None:
+            capabilities.insert(1, "vision")  # what Ollama's clients check before sending images
     return JSONResponse(
         {
             "modelfile": "",

@@ -11,13 +11,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gapless.engine.admission import Admission
+from gapless.engine.admission import Admission, CheckedImages
 from gapless.engine.events import TokenEvent, TokenLogprob
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.structured import GrammarCompiler
 from gapless.model.tokenizer import Tokenizer
 from gapless.server import protocol, tool_calls
 from gapless.server.endpoint import FieldNames, ServerState, generate, read_json
+from gapless.server.images import ImageReader, MessageContent
 from gapless.server.openai_common import (
     Choice,
     OpenAIRenderer,
@@ -47,32 +48,75 @@ class ParsedChat(ParsedRequest):
 
 def field_names(body: dict[str, Any]) -> FieldNames:
     """The request's names for the engine's fields."""
-    return {"prompt": "messages", "max_tokens": max_tokens_name(body), "logprobs": "top_logprobs"}
+    return {
+        "prompt": "messages",
+        "images": "messages",
+        "max_tokens": max_tokens_name(body),
+        "logprobs": "top_logprobs",
+    }
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    out = []
+def _content(content: Any, param: str, reader: ImageReader) -> MessageContent:
+    """A message's content: a string, or text and image_url parts."""
+    out = MessageContent()
+    if content is None or isinstance(content, str):
+        out.text(content or "")
+        return out
+    if not isinstance(content, list):
+        raise invalid("content must be a string or a list of content parts", param)
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.text(part["text"])
+        elif kind == "image_url":
+            image = part.get("image_url")
+            # {"url": ...} as OpenAI documents it; a bare string as some clients send it.
+            url = image.get("url") if isinstance(image, dict) else image
+            out.image(reader.url(url, f"{where}.image_url.url"))
+        elif kind == "text":
+            raise invalid("a text content part needs a string `text`", where)
+        else:
+            raise invalid(f"unsupported content part {kind!r}; text and image_url parts are", where)
+    return out
+
+
+def _messages(
+    body: dict[str, Any], reader: ImageReader
+) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The messages as the chat template takes them, and their images in order."""
+    out, images = [], []
     for i, message in enumerate(protocol.chat_messages(body, CHAT_ROLES)):
         role = message["role"]
-        content = protocol.text_content(message.get("content"), f"messages[{i}].content")
-        if content is None and role != "assistant":
-            raise invalid(f"a {role} message needs content", f"messages[{i}].content")
+        param = f"messages[{i}].content"
+        if message.get("content") is None and role != "assistant":
+            raise invalid(f"a {role} message needs content", param)
+        content = _content(message.get("content"), param, reader)
+        if content.images and role != "user":
+            raise invalid(f"images are taken in user messages, not in a {role} message", param)
+        images += content.images
         # `developer` is OpenAI's newer name for `system`; chat templates know only the latter.
         converted = {**message, "role": "system" if role == "developer" else role}
-        converted["content"] = content
+        converted["content"] = (
+            None if message.get("content") is None else content.template_content()
+        )
         out.append(protocol.template_message(converted, f"messages[{i}]"))
-    return out
+    return out, images
 
 
 def chat_prompt(
     body: dict[str, Any],
     admission: Admission,
+    reader: ImageReader,
     tools: ToolRequest | None = None,
     add_generation_prompt: bool = True,
-) -> list[int]:
+) -> tuple[list[int], CheckedImages]:
     """The ids of the request's messages through the chat template, not yet checked as a
-    prompt (/tokenize counts them whatever their length)."""
-    messages = _messages(body)
+    prompt (/tokenize counts them whatever their length), and their images, checked (each
+    has one placeholder in the ids)."""
+    messages, raw_images = _messages(body, reader)
+    # Before the template: a text-only template would render an image part as garbage.
+    images = admission.check_images(raw_images)
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise invalid("chat_template_kwargs must be an object", "chat_template_kwargs")
@@ -90,17 +134,19 @@ def chat_prompt(
         # without it renders as it always does.
         template_kwargs = {**template_kwargs, "reasoning_effort": effort}
     template_kwargs = {**template_kwargs, "add_generation_prompt": add_generation_prompt}
-    return admission.encode_chat(messages, **template_kwargs)
+    return admission.encode_chat(messages, **template_kwargs), images
 
 
 def parse_chat(
     body: dict[str, Any],
     admission: Admission,
     grammars: GrammarCompiler,
+    reader: ImageReader,
     tool_parser: str | None = None,
 ) -> ParsedChat:
     tools = tool_calls.parse_tools(body)
-    prompt_ids = admission.check_prompt(chat_prompt(body, admission, tools))
+    ids, images = chat_prompt(body, admission, reader, tools)
+    prompt_ids = admission.check_prompt(ids, images=images)
     fields, stream, include_usage = sampling_fields(body, admission, len(prompt_ids), grammars)
     chat_template = admission.tokenizer.chat_template
     parser = tool_calls.apply_tools(tools, fields, grammars, chat_template, tool_parser)
@@ -227,7 +273,8 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     body = await read_json(state, request)
     check_model(state, body)
     engine, parser = state.engine, state.settings.tool_call_parser
-    parse = partial(parse_chat, body, engine.admission, engine.grammars, parser)
+    reader = state.settings.image_reader
+    parse = partial(parse_chat, body, engine.admission, engine.grammars, reader, parser)
     return await generate(state, field_names(body), parse, partial(_ChatRenderer, state))
 
 

@@ -11,17 +11,22 @@ from starlette.responses import JSONResponse, Response
 from gapless.engine.admission import Admission
 from gapless.server import tool_calls
 from gapless.server.endpoint import ServerState, admission_errors, parse_off_loop, read_json
+from gapless.server.images import ImageReader
 from gapless.server.openai_chat import chat_prompt
 from gapless.server.openai_common import check_model
 from gapless.server.protocol import bool_field, int_list_field, invalid, str_field
 
 
-def _tokenize(body: dict[str, Any], admission: Admission) -> list[int]:
-    """A `prompt`, or `messages` through the chat template."""
+def _tokenize(body: dict[str, Any], admission: Admission, reader: ImageReader) -> list[int]:
+    """A `prompt`, or `messages` through the chat template (each image as the run of tokens
+    it takes in the prompt)."""
     if "messages" in body:
         add_generation_prompt = bool_field(body, "add_generation_prompt")
         tools = tool_calls.parse_tools(body)
-        return chat_prompt(body, admission, tools, add_generation_prompt is not False)
+        ids, images = chat_prompt(
+            body, admission, reader, tools, add_generation_prompt is not False
+        )
+        return admission.expand_images(ids, images)
     prompt = str_field(body, "prompt")
     if prompt is None:
         raise invalid("send a `prompt` string or `messages`", "prompt")
@@ -31,8 +36,9 @@ def _tokenize(body: dict[str, Any], admission: Admission) -> list[int]:
 async def tokenize(state: ServerState, request: Request) -> Response:
     body = await read_json(state, request)
     check_model(state, body)
-    names = {"prompt": "messages"} if "messages" in body else {}
-    ids = await parse_off_loop(names, partial(_tokenize, body, state.engine.admission))
+    names = {"prompt": "messages", "images": "messages"} if "messages" in body else {}
+    parse = partial(_tokenize, body, state.engine.admission, state.settings.image_reader)
+    ids = await parse_off_loop(names, parse)
     tokenizer = state.engine.tokenizer
     strs = [tokenizer.token_text(t) for t in ids] if bool_field(body, "return_token_strs") else None
     return JSONResponse(

@@ -1,0 +1,135 @@
+"""Images in API requests: each dialect's image forms read to their file's bytes, and the chat
+template's content that places them.
+
+The dialects read an OpenAI `image_url` part (a `data:` URL with base64, or an http(s) URL
+when the server fetches them), an Anthropic `image` block (base64, or a URL) and Ollama's
+`images` (base64) here. The bytes then go to the engine's admission (engine/admission.py),
+which decodes and checks each image once: empty, unreadable, zero size, over the pixel cap,
+too many. A message with images reaches the chat template as a list of parts, `{"type":
+"text", "text": ...}` and `{"type": "image"}`, the shape vision-language templates render
+their image placeholder from; a message without stays a string.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote_to_bytes, urlsplit
+
+from gapless.server.protocol import invalid
+
+FETCH_PIECE = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ImageReader:
+    """How the server reads an image a request names: `data:` URLs and base64 always, http(s)
+    URLs only when allowed, each fetch within max_bytes and timeout_s (the whole fetch)."""
+
+    allow_urls: bool = False
+    max_bytes: int = 20 * 2**20
+    timeout_s: float = 10.0
+
+    def url(self, url: Any, param: str) -> bytes:
+        """The bytes of the image at a `data:` or http(s) URL."""
+        if not isinstance(url, str):
+            raise invalid("an image URL must be a string", param)
+        scheme = urlsplit(url).scheme.lower()
+        if scheme == "data":
+            return _data_url(url, param)
+        if scheme not in ("http", "https"):
+            raise invalid(
+                f"unsupported image URL scheme {scheme!r}: send a data: URL (base64) or, where "
+                "the server allows it, an http(s) URL",
+                param,
+            )
+        if not self.allow_urls:
+            raise invalid(
+                "this server does not fetch image URLs; send the image as a data: URL "
+                "(base64), or start the server with --allow-image-urls",
+                param,
+            )
+        return self._fetch(url, param)
+
+    def _fetch(self, url: str, param: str) -> bytes:
+        deadline = time.monotonic() + self.timeout_s
+        limit = f"the limit of {self.max_bytes} bytes (--image-url-max-mb)"
+        try:
+            with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
+                declared = response.headers.get("Content-Length")
+                if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+                    raise invalid(
+                        f"the image at {url} has {declared} bytes, more than {limit}", param
+                    )
+                data = bytearray()
+                while piece := response.read(FETCH_PIECE):
+                    data += piece
+                    if len(data) > self.max_bytes:
+                        raise invalid(f"the image at {url} is larger than {limit}", param)
+                    if time.monotonic() > deadline:
+                        raise _timed_out(url, self.timeout_s, param)
+                return bytes(data)
+        except urllib.error.HTTPError as e:
+            raise invalid(f"fetching the image at {url} failed: HTTP {e.code}", param) from e
+        except TimeoutError as e:
+            raise _timed_out(url, self.timeout_s, param) from e
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, TimeoutError):  # the connection's, wrapped
+                raise _timed_out(url, self.timeout_s, param) from e
+            raise invalid(f"fetching the image at {url} failed: {e.reason}", param) from e
+        except (OSError, ValueError) as e:
+            raise invalid(f"fetching the image at {url} failed: {e}", param) from e
+
+
+def _timed_out(url: str, timeout_s: float, param: str) -> Exception:
+    return invalid(
+        f"fetching the image at {url} took longer than {timeout_s:g} s (--image-url-timeout)",
+        param,
+    )
+
+
+def _data_url(url: str, param: str) -> bytes:
+    """A `data:[<media type>][;base64],<data>` URL's bytes (RFC 2397)."""
+    header, comma, data = url[len("data:") :].partition(",")
+    if not comma:
+        raise invalid("a data: URL needs a comma before its data", param)
+    if header.lower().endswith(";base64"):
+        return decode_base64(data, param)
+    return unquote_to_bytes(data)
+
+
+def decode_base64(data: Any, param: str) -> bytes:
+    """Base64 text's bytes, refused with the field's name if it is not base64."""
+    if not isinstance(data, str):
+        raise invalid("image data must be a base64 string", param)
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise invalid(f"image data is not valid base64: {e}", param) from e
+
+
+@dataclass
+class MessageContent:
+    """One message's content in order, text and images, as the chat template takes it."""
+
+    parts: list[dict[str, Any]] = field(default_factory=list)
+    images: list[bytes] = field(default_factory=list)
+
+    def text(self, text: str) -> None:
+        self.parts.append({"type": "text", "text": text})
+
+    def image(self, data: bytes) -> None:
+        self.parts.append({"type": "image"})
+        self.images.append(data)
+
+    def template_content(self) -> str | list[dict[str, Any]]:
+        """The texts joined as one string when there is no image (what text-only templates
+        render), else the parts."""
+        if not self.images:
+            return "\n".join(part["text"] for part in self.parts)
+        return self.parts

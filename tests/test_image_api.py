@@ -1,0 +1,411 @@
+"""Images through every API dialect (issue 28), each with its real client against a real server
+on a loopback port: OpenAI `image_url` parts (data: URLs, and http(s) URLs when the server
+fetches them), Anthropic base64 `image` blocks, Ollama `images` on /api/chat and
+/api/generate. Each gives the tokens the engine gives for the same image and text; another
+image gives other tokens; /tokenize and count_tokens count an image's run of tokens; and every
+bad image is a 400 that names its limit, in each dialect's error shape, with nothing leaked.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.server
+import io
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import anthropic
+import ollama
+import openai
+import pytest
+from checkpoints import write_test_tokenizer
+from PIL import Image
+from server_fixture import MODEL, RunningServer, running_server
+from test_vision import drawn, make_llava
+
+from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.events import TokenEvent
+from gapless.engine.sampling_params import SamplingParams
+from gapless.server.app import ServerSettings
+
+# The test tokenizer's `<|pad|>`, which no text prompt holds: the checkpoint's image token,
+# so that the chat template can write it.
+IMAGE_TOKEN = 2
+TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}<|{{ message['role'] }}|>"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|pad|>{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+QUESTION = "What is in this picture?"
+NEW_TOKENS = 6
+LIMIT_IMAGES = 2
+MAX_PIXELS = 100 * 100
+
+
+def png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+RED_DISK = png(drawn(61, 45))
+NOISE = png(drawn(40, 77, seed=1))
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = make_llava(tmp_path_factory.mktemp("llava"), "clip")
+    config = (out / "config.json").read_text()
+    (out / "config.json").write_text(
+        config.replace('"image_token_index": 511', '"image_token_index": 2')
+    )
+    write_test_tokenizer(out, chat_template=TEMPLATE)
+    return out
+
+
+ENGINE_FIELDS = {
+    "limit_mm_per_prompt": LIMIT_IMAGES,
+    "max_image_pixels": MAX_PIXELS,
+    "prefill_chunk": 16,
+    "idle_prefill_chunk": 16,
+    "kv_cache_tokens": 4096,
+}
+
+
+@pytest.fixture(scope="module")
+def server(vlm_dir: Path) -> Iterator[RunningServer]:
+    with running_server(vlm_dir, ServerSettings(MODEL), **ENGINE_FIELDS) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def expected(vlm_dir: Path) -> Callable[..., str]:
+    """The greedy text of an engine of its own (the server's steps in another thread) for one
+    user turn of images then text, its prompt ids written by hand as the template writes them."""
+    engine = Engine.from_pretrained(
+        vlm_dir, EngineConfig.of(dtype="float32", device="cpu", **ENGINE_FIELDS)
+    )
+    tokenizer = engine.tokenizer
+
+    def special(name: str) -> int:
+        (token,) = tokenizer.encode(name, add_special_tokens=False)
+        return token
+
+    def text_of(images: list[bytes], text: str = QUESTION) -> str:
+        ids = [tokenizer.bos_token_id, special("<|user|>"), *[IMAGE_TOKEN] * len(images)]
+        ids += tokenizer.encode(text, add_special_tokens=False)
+        ids += [special("<|end|>"), special("<|assistant|>")]
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+        engine.add_request(ids, params, images=images)
+        out: list[int] = []
+        while engine.has_work:
+            out += [t for e in engine.step() if isinstance(e, TokenEvent) for t in e.token_ids]
+        return tokenizer.decode(out)
+
+    return text_of
+
+
+@pytest.fixture
+def gpt(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def claude(server: RunningServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def llama(server: RunningServer) -> ollama.Client:
+    return ollama.Client(host=server.url)
+
+
+def openai_image(data: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(data)}}
+
+
+def anthropic_image(data: bytes) -> dict:
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(data).decode()}
+    return {"type": "image", "source": source}
+
+
+def ask_openai(gpt: openai.OpenAI, images: list[bytes], stream: bool = False) -> str:
+    content = [*map(openai_image, images), {"type": "text", "text": QUESTION}]
+    kw = {"model": MODEL, "max_tokens": NEW_TOKENS, "temperature": 0.0}
+    messages = [{"role": "user", "content": content}]
+    if not stream:
+        return gpt.chat.completions.create(messages=messages, **kw).choices[0].message.content
+    chunks = gpt.chat.completions.create(messages=messages, stream=True, **kw)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def ask_anthropic(claude: anthropic.Anthropic, images: list[bytes]) -> str:
+    content = [*map(anthropic_image, images), {"type": "text", "text": QUESTION}]
+    message = claude.messages.create(
+        model=MODEL,
+        max_tokens=NEW_TOKENS,
+        messages=[{"role": "user", "content": content}],
+        # This client version has no sampling arguments of its own.
+        extra_body={"temperature": 0.0},
+    )
+    return "".join(block.text for block in message.content)
+
+
+def ask_ollama_chat(llama: ollama.Client, images: list[bytes]) -> str:
+    message = {"role": "user", "content": QUESTION, "images": images}
+    options = {"temperature": 0.0, "num_predict": NEW_TOKENS}
+    return llama.chat(model=MODEL, messages=[message], options=options).message.content
+
+
+def ask_ollama_generate(llama: ollama.Client, images: list[bytes]) -> str:
+    options = {"temperature": 0.0, "num_predict": NEW_TOKENS}
+    return llama.generate(model=MODEL, prompt=QUESTION, images=images, options=options).response
+
+
+def test_every_dialect_gives_the_engines_tokens_for_the_image(gpt, claude, llama, expected) -> None:
+    want = expected([RED_DISK])
+    assert ask_openai(gpt, [RED_DISK]) == want
+    assert ask_openai(gpt, [RED_DISK], stream=True) == want
+    assert ask_anthropic(claude, [RED_DISK]) == want
+    assert ask_ollama_chat(llama, [RED_DISK]) == want
+    assert ask_ollama_generate(llama, [RED_DISK]) == want
+
+
+def test_another_image_gives_other_tokens_and_two_images_are_placed_in_order(
+    gpt, claude, expected
+) -> None:
+    one, other = expected([RED_DISK]), expected([NOISE])
+    assert one != other  # the image reaches the model
+    assert ask_openai(gpt, [NOISE]) == other
+    both = expected([RED_DISK, NOISE])
+    assert both != expected([NOISE, RED_DISK])
+    assert ask_openai(gpt, [RED_DISK, NOISE]) == both
+    assert ask_anthropic(claude, [RED_DISK, NOISE]) == both
+
+
+def test_ollama_show_lists_the_vision_capability(llama: ollama.Client) -> None:
+    assert llama.show(MODEL).capabilities == ["completion", "vision", "embedding"]
+
+
+def test_token_counts_include_each_images_run(server: RunningServer, vlm_dir: Path) -> None:
+    """An image's placeholder counts as the run of tokens it becomes (the tiny CLIP tower:
+    one token per 7x7 patch of its 42x42 input)."""
+    run = (42 // 7) ** 2
+    content = [openai_image(RED_DISK), {"type": "text", "text": QUESTION}]
+    messages = [{"role": "user", "content": content}]
+    with server.client() as client:
+        plain = client.post("/tokenize", json={"messages": [{"role": "user", "content": QUESTION}]})
+        with_image = client.post("/tokenize", json={"messages": messages})
+        assert with_image.status_code == 200, with_image.text
+        assert with_image.json()["count"] == plain.json()["count"] + run
+        assert with_image.json()["tokens"].count(IMAGE_TOKEN) == run
+        claude_content = [anthropic_image(RED_DISK), {"type": "text", "text": QUESTION}]
+        counted = client.post(
+            "/v1/messages/count_tokens",
+            json={"model": MODEL, "messages": [{"role": "user", "content": claude_content}]},
+        )
+        assert counted.json() == {"input_tokens": with_image.json()["count"]}
+
+
+# -- bad images ------------------------------------------------------------------------------
+
+
+def _bomb() -> bytes:
+    """10,000 x 10,000 one-bit pixels in a few kB of PNG, past Pillow's own bomb limit."""
+    return png(Image.new("1", (10_000, 10_000)))
+
+
+# case -> (the images a request sends, base64 text where the dialect takes it raw, what the
+# 400's message says)
+BAD = {
+    "corrupt": ([b"this is not an image"], "image 0 is not a readable image"),
+    "empty": ([b""], "image 0 is empty (0 bytes)"),
+    "truncated": ([RED_DISK[:100]], "image 0 is not a readable image"),
+    "too_many_pixels": ([png(drawn(120, 100))], "pixel cap of 10000 (--max-image-pixels)"),
+    "bomb": ([_bomb()], "is a decompression bomb"),
+    "too_many": ([RED_DISK] * 3, "the limit of 2 per prompt (--limit-mm-per-prompt)"),
+}
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def bad_request(dialect: str, images: list[bytes] | str) -> tuple[str, dict]:
+    """(path, body) of a request of `dialect` with the images; a str is sent as the image's
+    base64 text or URL as it is."""
+    raw = [images] if isinstance(images, str) else None
+    if dialect == "openai":
+        urls = raw or [data_url(i) for i in images]
+        parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        content = [*parts, {"type": "text", "text": QUESTION}]
+        return "/v1/chat/completions", {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+        }
+    if dialect == "anthropic":
+        if raw and raw[0].startswith("http"):
+            sources = [{"type": "url", "url": raw[0]}]
+        else:
+            data = raw or [_b64(i) for i in images]
+            sources = [{"type": "base64", "media_type": "image/png", "data": d} for d in data]
+        content = [
+            *({"type": "image", "source": s} for s in sources),
+            {"type": "text", "text": QUESTION},
+        ]
+        body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
+        return "/v1/messages", body
+    data = raw or [_b64(i) for i in images]
+    if dialect == "ollama_chat":
+        message = {"role": "user", "content": QUESTION, "images": data}
+        return "/api/chat", {"model": MODEL, "messages": [message], "stream": False}
+    return "/api/generate", {"model": MODEL, "prompt": QUESTION, "images": data, "stream": False}
+
+
+def error_message(dialect: str, body: dict) -> str:
+    """The message of each dialect's error shape."""
+    if dialect == "openai":
+        return body["error"]["message"]
+    if dialect == "anthropic":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        return body["error"]["message"]
+    return body["error"]
+
+
+DIALECTS = ["openai", "anthropic", "ollama_chat", "ollama_generate"]
+
+
+# Ollama takes images as base64 only: no URL to refuse.
+CASES = [(d, c) for d in DIALECTS for c in [*BAD, "not_base64", "url_not_allowed"]]
+CASES = [(d, c) for d, c in CASES if not (d.startswith("ollama") and c == "url_not_allowed")]
+
+
+@pytest.mark.parametrize(("dialect", "case"), CASES)
+def test_bad_image_is_a_400_naming_its_limit(
+    server: RunningServer, dialect: str, case: str
+) -> None:
+    if case == "not_base64":
+        images, says = (
+            "data:image/png;base64,%%%" if dialect == "openai" else "%%%",
+            "not valid base64",
+        )
+    elif case == "url_not_allowed":
+        images, says = "http://127.0.0.1:9/cat.png", "--allow-image-urls"
+    else:
+        images, says = BAD[case]
+    path, body = bad_request(dialect, images)
+    with server.client() as client:
+        r = client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert says in error_message(dialect, r.json())
+        if dialect == "openai":
+            assert r.json()["error"]["param"].startswith("messages")
+    engine = server.engine
+    assert engine.pool.num_used == 0 and not engine.has_work  # nothing admitted, nothing held
+
+
+def test_text_only_model_refuses_images_before_its_template(checkpoint) -> None:
+    """A text-only model's template would write an image part as text: the 400 says why."""
+    with running_server(checkpoint("llama"), ServerSettings(MODEL)) as running:
+        for dialect in DIALECTS:
+            path, body = bad_request(dialect, [RED_DISK])
+            with running.client() as client:
+                r = client.post(path, json=body)
+            assert r.status_code == 400, r.text
+            assert "this model takes no images" in error_message(dialect, r.json())
+
+
+# -- image URLs ------------------------------------------------------------------------------
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    """/disk.png: an image; /slow.png: the image after a pause; anything else: 404."""
+
+    pause_s = 2.0
+
+    def do_GET(self) -> None:  # noqa: N802 (the http.server API's name)
+        if self.path not in ("/disk.png", "/slow.png"):
+            self.send_error(404)
+            return
+        if self.path == "/slow.png":
+            time.sleep(self.pause_s)
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(RED_DISK)))
+        self.end_headers()
+        with contextlib.suppress(ConnectionError):  # the server under test gave up waiting
+            self.wfile.write(RED_DISK)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    thread = threading.Thread(target=host.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{host.server_port}"
+    host.shutdown()
+    thread.join()
+
+
+def test_image_urls_are_fetched_within_their_limits_when_allowed(
+    vlm_dir: Path, image_host: str, expected
+) -> None:
+    settings = ServerSettings(
+        MODEL, allow_image_urls=True, image_url_timeout_s=0.5, image_url_max_mb=1.0
+    )
+    with running_server(vlm_dir, settings, **ENGINE_FIELDS) as running:
+        gpt = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+        content = [
+            {"type": "image_url", "image_url": {"url": f"{image_host}/disk.png"}},
+            {"type": "text", "text": QUESTION},
+        ]
+        reply = gpt.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=NEW_TOKENS,
+            temperature=0.0,
+        )
+        assert reply.choices[0].message.content == expected([RED_DISK])
+        claude = anthropic.Anthropic(base_url=running.url, api_key="unused", max_retries=0)
+        url_block = {"type": "image", "source": {"type": "url", "url": f"{image_host}/disk.png"}}
+        message = claude.messages.create(
+            model=MODEL,
+            max_tokens=NEW_TOKENS,
+            messages=[{"role": "user", "content": [url_block, {"type": "text", "text": QUESTION}]}],
+            extra_body={"temperature": 0.0},
+        )
+        assert message.content[0].text == expected([RED_DISK])
+        with running.client() as client:
+            for url, says in (
+                (f"{image_host}/slow.png", "took longer than 0.5 s (--image-url-timeout)"),
+                (f"{image_host}/missing.png", "HTTP 404"),
+                ("ftp://example.com/a.png", "unsupported image URL scheme 'ftp'"),
+            ):
+                path, body = bad_request("openai", url)
+                r = client.post(path, json=body)
+                assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        assert running.engine.pool.num_used == 0
+
+
+def test_an_image_url_over_the_size_limit_is_refused(vlm_dir: Path, image_host: str) -> None:
+    small = len(RED_DISK) / 2 / 2**20  # MiB: half the image
+    settings = ServerSettings(MODEL, allow_image_urls=True, image_url_max_mb=small)
+    with running_server(vlm_dir, settings, **ENGINE_FIELDS) as running, running.client() as client:
+        path, body = bad_request("openai", f"{image_host}/disk.png")
+        r = client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert "(--image-url-max-mb)" in r.json()["error"]["message"]
