@@ -346,7 +346,7 @@ def test_embeddings_for_rag(webui: httpx.Client, server: RunningServer) -> None:
                     {"role": "user", "content": "What is this?", "images": ["iVBORw0KGgo="]}
                 ]
             },
-            "messages[0].images",
+            "messages[0].images[0]",
         ),
         ("/api/chat", {"messages": ASK, "options": {"mirostat": 2}}, "options.mirostat"),
         ("/api/generate", {"prompt": "x", "options": {"typical_p": 0.7}}, "options.typical_p"),
@@ -368,7 +368,7 @@ def test_embeddings_for_rag(webui: httpx.Client, server: RunningServer) -> None:
                     }
                 ]
             },
-            "messages[0].content",
+            "messages[0].content[1]",
         ),
         ("/v1/chat/completions", {"messages": ASK, "logit_bias": {"42": -100}}, "logit_bias"),
     ],

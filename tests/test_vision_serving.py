@@ -192,7 +192,7 @@ def test_bad_images_are_refused_naming_the_limit(vlm, case: str) -> None:
     data, message = BAD[case]
     with pytest.raises(RequestError, match=message) as caught:
         engine.add_request(two_image_prompt(), images=[data(), png(IMAGES[0])])
-    assert caught.value.param == "images"
+    assert caught.value.param == "images[0]"
 
 
 def test_too_many_images_and_placeholder_mismatch_are_refused(vlm) -> None:

@@ -211,10 +211,10 @@ class Admission:
     def _open(self, data: ImageInput, index: int) -> Image.Image:
         """The image decoded, refused if it is empty, unreadable, or over the pixel cap (which
         is checked on its header's size, before its pixels are decoded)."""
-        image = data
+        image, param = data, f"images[{index}]"
         if isinstance(data, bytes):
             if not data:
-                raise RequestError(f"image {index} is empty (0 bytes)", "images")
+                raise RequestError(f"image {index} is empty (0 bytes)", param)
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -223,23 +223,23 @@ class Admission:
                 raise RequestError(
                     f"image {index} is a decompression bomb ({e}); the pixel cap is "
                     f"{self.max_image_pixels} pixels (--max-image-pixels)",
-                    "images",
+                    param,
                 ) from e
             except (OSError, ValueError, SyntaxError) as e:
-                raise RequestError(f"image {index} is not a readable image: {e}", "images") from e
+                raise RequestError(f"image {index} is not a readable image: {e}", param) from e
         width, height = image.size
         if width == 0 or height == 0:
-            raise RequestError(f"image {index} has zero size ({width}x{height})", "images")
+            raise RequestError(f"image {index} has zero size ({width}x{height})", param)
         if width * height > self.max_image_pixels:
             raise RequestError(
                 f"image {index} has {width}x{height} = {width * height} pixels, more than the "
                 f"pixel cap of {self.max_image_pixels} (--max-image-pixels)",
-                "images",
+                param,
             )
         try:
             image.load()
         except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt pixel data
-            raise RequestError(f"image {index} is not a readable image: {e}", "images") from e
+            raise RequestError(f"image {index} is not a readable image: {e}", param) from e
         return image
 
     def expand_images(self, ids: list[int], images: CheckedImages) -> list[int]:

@@ -30,7 +30,13 @@ from gapless.server.endpoint import (
     read_json,
     sse,
 )
-from gapless.server.images import ImageReader, MessageContent, decode_base64
+from gapless.server.images import (
+    ImageReader,
+    MessageContent,
+    SentImage,
+    check_images,
+    decode_base64,
+)
 from gapless.server.protocol import APIError, bool_field, int_field, invalid
 from gapless.server.tool_calls import ToolCall, ToolRequest
 
@@ -83,7 +89,7 @@ def _image(block: dict[str, Any], param: str, reader: ImageReader) -> bytes:
 
 def _turn(
     message: dict[str, Any], index: int, reader: ImageReader
-) -> tuple[list[dict[str, Any]], list[bytes]]:
+) -> tuple[list[dict[str, Any]], list[SentImage]]:
     """One Anthropic message as template messages, and its images: its tool_result blocks
     become `tool` messages (answering the previous assistant turn, so they come first), its
     text, image and tool_use blocks one user or assistant message."""
@@ -102,7 +108,7 @@ def _turn(
         if kind == "text" and isinstance(block.get("text"), str):
             own.text(block["text"])
         elif kind == "image" and role == "user":
-            own.image(_image(block, where, reader))
+            own.image(_image(block, where, reader), where)
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_call(block, where))
         elif kind == "tool_result" and role == "user":
@@ -175,16 +181,15 @@ def prompt_ids_of(
     messages' images, checked."""
     messages = protocol.chat_messages(body, ("user", "assistant"))
     conversation = []
-    raw_images: list[bytes] = []
+    sent: list[SentImage] = []
     system = protocol.text_content(body.get("system"), "system")
     if system:
         conversation.append({"role": "system", "content": system})
     for i, message in enumerate(messages):
         turns, images = _turn(message, i, reader)
         conversation += turns
-        raw_images += images
-    # Before the template: a text-only template would render an image part as garbage.
-    checked = admission.check_images(raw_images)
+        sent += images
+    checked = check_images(admission, sent)
     offered = {"tools": tools.tools if tools is not None and tools.tools else None}
     return admission.encode_chat(conversation, **offered), checked
 

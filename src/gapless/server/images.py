@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote_to_bytes, urlsplit
 
+from gapless.engine.admission import Admission, CheckedImages, RequestError
 from gapless.server.protocol import invalid
 
 FETCH_PIECE = 64 * 1024
@@ -113,19 +115,40 @@ def decode_base64(data: Any, param: str) -> bytes:
         raise invalid(f"image data is not valid base64: {e}", param) from e
 
 
+@dataclass(frozen=True)
+class SentImage:
+    """An image's bytes, and the request's field that sent it (what its refusal names)."""
+
+    data: bytes
+    param: str
+
+
+def check_images(admission: Admission, images: list[SentImage]) -> CheckedImages:
+    """A request's images checked once by the engine's admission (before the chat template
+    renders them: a text-only template would write an image part as text); a refusal names
+    the image's field, or the first image's for one of them all (too many, a text-only
+    model)."""
+    try:
+        return admission.check_images([image.data for image in images])
+    except RequestError as e:
+        match = re.fullmatch(r"images\[(\d+)\]", e.param or "")
+        param = images[int(match[1]) if match else 0].param
+        raise invalid(str(e), param, e.code) from e
+
+
 @dataclass
 class MessageContent:
     """One message's content in order, text and images, as the chat template takes it."""
 
     parts: list[dict[str, Any]] = field(default_factory=list)
-    images: list[bytes] = field(default_factory=list)
+    images: list[SentImage] = field(default_factory=list)
 
     def text(self, text: str) -> None:
         self.parts.append({"type": "text", "text": text})
 
-    def image(self, data: bytes) -> None:
+    def image(self, data: bytes, param: str) -> None:
         self.parts.append({"type": "image"})
-        self.images.append(data)
+        self.images.append(SentImage(data, param))
 
     def template_content(self) -> str | list[dict[str, Any]]:
         """The texts joined as one string when there is no image (what text-only templates

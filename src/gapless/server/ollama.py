@@ -47,7 +47,7 @@ from gapless.server.endpoint import (
     ndjson,
     read_json,
 )
-from gapless.server.images import MessageContent, decode_base64
+from gapless.server.images import MessageContent, SentImage, check_images, decode_base64
 from gapless.server.openai_embeddings import BATCH_CONTEXTS, MAX_INPUTS, check_dimensions
 from gapless.server.openai_embeddings import check_prompts as check_embedding_prompts
 from gapless.server.protocol import APIError, bool_field, invalid, str_field
@@ -168,28 +168,31 @@ def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     raise invalid(f"think must be true, false or one of {', '.join(THINK_LEVELS)}", "think")
 
 
-def _images(value: Any, param: str) -> list[bytes]:
+def _images(value: Any, param: str) -> list[SentImage]:
     """`images`: a list of base64 strings."""
     if value is None:
         return []
     if not isinstance(value, list):
         raise invalid("images must be a list of base64 strings", param)
-    return [decode_base64(data, f"{param}[{j}]") for j, data in enumerate(value)]
+    return [
+        SentImage(decode_base64(data, f"{param}[{j}]"), f"{param}[{j}]")
+        for j, data in enumerate(value)
+    ]
 
 
-def _with_images(message: dict[str, Any], images: list[bytes]) -> dict[str, Any]:
+def _with_images(message: dict[str, Any], images: list[SentImage]) -> dict[str, Any]:
     """A message whose images come before its text, as Ollama places them."""
     if not images:
         return message
     content = MessageContent()
-    for data in images:
-        content.image(data)
+    for image in images:
+        content.image(image.data, image.param)
     content.text(message.get("content") or "")
     out = {k: v for k, v in message.items() if k != "images"}
     return {**out, "content": content.template_content()}
 
 
-def _messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[bytes]]:
+def _messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[SentImage]]:
     """The messages as the chat template takes them, and their images in order."""
     out, images = [], []
     for i, message in enumerate(protocol.chat_messages(body, CHAT_ROLES)):
@@ -219,9 +222,8 @@ def parse_chat(
 ) -> ParsedOllama:
     tools = _tools(body)
     offered = tools.tools if tools is not None and tools.tools else None
-    (messages, raw_images), kwargs = _messages(body), _template_kwargs(body)
-    # Before the template: a text-only template would render an image part as garbage.
-    images = admission.check_images(raw_images)
+    (messages, sent), kwargs = _messages(body), _template_kwargs(body)
+    images = check_images(admission, sent)
     ids = admission.encode_chat(messages, tools=offered, **kwargs)
     prompt_ids = admission.check_prompt(ids, images=images)
     fields = _sampling(body, admission, grammars, len(prompt_ids))
@@ -238,8 +240,8 @@ def parse_generate(
     prompt = str_field(body, "prompt") or ""
     system = str_field(body, "system")
     kwargs = _template_kwargs(body)
-    raw_images = _images(body.get("images"), "images")
-    images = admission.check_images(raw_images)
+    sent = _images(body.get("images"), "images")
+    images = check_images(admission, sent)
     if str_field(body, "suffix"):
         raise invalid(
             "suffix (fill-in-the-middle) needs a template that places text after the "
@@ -251,7 +253,7 @@ def parse_generate(
         prompt_ids = admission.check_prompt(prompt, images=images)
     else:
         messages = [{"role": "system", "content": system}] if system else []
-        messages.append(_with_images({"role": "user", "content": prompt}, raw_images))
+        messages.append(_with_images({"role": "user", "content": prompt}, sent))
         ids = admission.encode_chat(messages, **kwargs)
         prompt_ids = admission.check_prompt(ids, images=images)
     fields = _sampling(body, admission, grammars, len(prompt_ids))

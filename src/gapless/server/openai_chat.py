@@ -18,7 +18,7 @@ from gapless.engine.structured import GrammarCompiler
 from gapless.model.tokenizer import Tokenizer
 from gapless.server import protocol, tool_calls
 from gapless.server.endpoint import FieldNames, ServerState, generate, read_json
-from gapless.server.images import ImageReader, MessageContent
+from gapless.server.images import ImageReader, MessageContent, SentImage, check_images
 from gapless.server.openai_common import (
     Choice,
     OpenAIRenderer,
@@ -50,7 +50,7 @@ def field_names(body: dict[str, Any]) -> FieldNames:
     """The request's names for the engine's fields."""
     return {
         "prompt": "messages",
-        "images": "messages",
+        "images": "messages",  # the placeholders' count, in the rendered messages
         "max_tokens": max_tokens_name(body),
         "logprobs": "top_logprobs",
     }
@@ -73,7 +73,7 @@ def _content(content: Any, param: str, reader: ImageReader) -> MessageContent:
             image = part.get("image_url")
             # {"url": ...} as OpenAI documents it; a bare string as some clients send it.
             url = image.get("url") if isinstance(image, dict) else image
-            out.image(reader.url(url, f"{where}.image_url.url"))
+            out.image(reader.url(url, f"{where}.image_url.url"), where)
         elif kind == "text":
             raise invalid("a text content part needs a string `text`", where)
         else:
@@ -83,7 +83,7 @@ def _content(content: Any, param: str, reader: ImageReader) -> MessageContent:
 
 def _messages(
     body: dict[str, Any], reader: ImageReader
-) -> tuple[list[dict[str, Any]], list[bytes]]:
+) -> tuple[list[dict[str, Any]], list[SentImage]]:
     """The messages as the chat template takes them, and their images in order."""
     out, images = [], []
     for i, message in enumerate(protocol.chat_messages(body, CHAT_ROLES)):
@@ -114,9 +114,8 @@ def chat_prompt(
     """The ids of the request's messages through the chat template, not yet checked as a
     prompt (/tokenize counts them whatever their length), and their images, checked (each
     has one placeholder in the ids)."""
-    messages, raw_images = _messages(body, reader)
-    # Before the template: a text-only template would render an image part as garbage.
-    images = admission.check_images(raw_images)
+    messages, sent = _messages(body, reader)
+    images = check_images(admission, sent)
     template_kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(template_kwargs, dict):
         raise invalid("chat_template_kwargs must be an object", "chat_template_kwargs")

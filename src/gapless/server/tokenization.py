@@ -36,7 +36,7 @@ def _tokenize(body: dict[str, Any], admission: Admission, reader: ImageReader) -
 async def tokenize(state: ServerState, request: Request) -> Response:
     body = await read_json(state, request)
     check_model(state, body)
-    names = {"prompt": "messages", "images": "messages"} if "messages" in body else {}
+    names = {"prompt": "messages"} if "messages" in body else {}
     parse = partial(_tokenize, body, state.engine.admission, state.settings.image_reader)
     ids = await parse_off_loop(names, parse)
     tokenizer = state.engine.tokenizer
