@@ -52,6 +52,9 @@ class PromptImage:
     length: int
     image: PreparedImage
     key: str
+    # Its tokens attend to each other both ways (Gemma 3), so the run is computed in one
+    # chunk (the scheduler's rule) and attends up to its end (kernels/plans.py).
+    bidirectional: bool = False
 
     @property
     def end(self) -> int:
@@ -192,12 +195,6 @@ class Admission:
             return CheckedImages()
         if self.vision is None:
             raise RequestError("this model takes no images: it is a text-only model", "images")
-        if self.vision.bidirectional_images:
-            raise RequestError(
-                "images are not served for this model (Gemma 3): its image tokens attend to "
-                "each other both ways, which gapless's attention does not yet do",
-                "images",
-            )
         if len(images) > self.limit_mm_per_prompt:
             raise RequestError(
                 f"the prompt has {len(images)} images, more than the limit of "
@@ -266,7 +263,11 @@ class Admission:
         for slot, image in zip(slots, images, strict=True):
             expanded += ids[taken:slot]
             n = encoder.tokens(image)
-            placed.append(PromptImage(len(expanded), n, image, image_key(image)))
+            placed.append(
+                PromptImage(
+                    len(expanded), n, image, image_key(image), self.vision.bidirectional_images
+                )
+            )
             expanded += [token] * n
             taken = slot + 1
         return expanded + ids[taken:], tuple(placed)

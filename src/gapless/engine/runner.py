@@ -36,6 +36,9 @@ class ChunkInput:
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     # M-RoPE's (t, h, w) positions [3, tokens]; None: each token's position.
     rope_positions: torch.Tensor | None = None
+    # The images in the chunk whose tokens attend to each other both ways, as position ranges
+    # (first, end); the scheduler ends each within its chunk (Span.bidirectional).
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -176,6 +179,11 @@ class ModelRunner:
         tokens = req.tokens(start, end - len(chunk.draft)) + chunk.draft
         verify = bool(chunk.draft)
         rope = None if req.rope_positions is None else mrope_slice(req.rope_positions, start, end)
+        whole = tuple(
+            (image.start, image.end)
+            for image in req.images
+            if image.bidirectional and image.start < end and start < image.end
+        )
         return ChunkInput(
             tokens,
             start,
@@ -185,6 +193,7 @@ class ModelRunner:
             verify,
             self._image_embeds(req, start, end),
             rope,
+            whole,
         )
 
     @torch.inference_mode()
@@ -239,7 +248,7 @@ class ModelRunner:
                     for i in range(n)
                 ]
             else:
-                spans.append(Span(row, start, n, chunk.block_table))
+                spans.append(Span(row, start, n, chunk.block_table, chunk.bidirectional))
         dev = self.decoder.device
         return BatchInput(
             token_ids=torch.tensor(token_ids, device=dev),

@@ -20,6 +20,12 @@ Each step is one hybrid batch:
    and none from VERIFY_ROWS decodes on.
 A request marked whole_prefill (submit(), or chunking off) takes its whole prompt at once.
 
+An image whose tokens attend to each other both ways (Gemma 3) is never cut by a chunk: its
+earlier tokens attend to its later ones, which must be in the same forward. A chunk that
+would end inside one ends before it instead; when nothing would be left (the chunk starts at
+the image, or inside it after a prefix-cache hit), it runs to the image's end, past the
+budget, if it is the step's first prompt chunk, and else waits for the next step.
+
 A request for n choices prefills its prompt once; the other n - 1 then fork from it (fork()).
 """
 
@@ -199,6 +205,9 @@ class Scheduler:
                 continue
             remaining = request.num_uncomputed
             n = remaining if request.whole_prefill else min(remaining, budget)
+            n = self._keep_images_whole(request, n, extend=len(chunks) == len(decodes))
+            if n == 0:
+                continue
             if not self._reserve(request, n):
                 n = self._fit(request, n)
                 if n == 0:
@@ -337,10 +346,24 @@ class Scheduler:
 
     def _fit(self, request: Request, n: int) -> int:
         """The largest chunk of at most n tokens that free KV can hold now."""
-        fit = min(n, self._room(request))
+        fit = self._keep_images_whole(request, min(n, self._room(request)), extend=False)
         if fit > 0 and self._reserve(request, fit):
             return fit
         return 0
+
+    @staticmethod
+    def _keep_images_whole(request: Request, n: int, extend: bool) -> int:
+        """How many of the request's next n tokens to take so that the chunk does not end
+        inside an image that attends both ways (the module's docstring): fewer, ending
+        before it; or, when that leaves none, to its end if `extend`, else none."""
+        start = request.num_computed
+        end = start + n
+        for image in request.images:
+            if image.bidirectional and image.start < end < image.end:
+                if image.start > start:
+                    return image.start - start
+                return image.end - start if extend else 0
+        return n
 
     def _room(self, request: Request) -> int:
         """How many more tokens the request's blocks and the pool's free ones can hold."""

@@ -5,7 +5,7 @@ Two implementations:
   index_select, then one F.scaled_dot_product_attention call with the group's mask;
 - in place (the CPU flash op, which returns log-sum-exps): a single full-attention
   sequence attends its history straight from the cache, one unmasked call per run of
-  consecutive cache slots, and its own new tokens causally; the parts are merged by their
+  consecutive cache slots, and its own new tokens causally (or under a mask); the parts are merged by their
   log-sum-exps (as in flash attention's own blocked loop). No copy of the history, which grows with every step of a long conversation.
 """
 
@@ -53,10 +53,12 @@ def in_place(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     runs: list[tuple[int, int]],
+    own_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence's n new queries q [n, H, D] see every key in `runs` (first slot, length)
     of the flat cache, and, when n > 1, their own keys and values k, v [n, Hkv, D]
-    causally (a single query's own key is in its runs). Returns [n, H * D]."""
+    causally, or under own_mask [n, n] (additive, q's dtype) where given (a single query's
+    own key is in its runs). Returns [n, H * D]."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     n, heads, dim = q.shape
     kv_heads = k.shape[1]
@@ -76,7 +78,7 @@ def in_place(
         own_q = q.transpose(0, 1)[None]
         own_k = k.transpose(0, 1).repeat_interleave(group, dim=0)[None]
         own_v = v.transpose(0, 1).repeat_interleave(group, dim=0)[None]
-        o, lse = flash(own_q, own_k, own_v, is_causal=True)[:2]
+        o, lse = flash(own_q, own_k, own_v, is_causal=own_mask is None, attn_mask=own_mask)[:2]
         outs.append(o.view(kv_heads, group, n, dim).transpose(1, 2))
         lses.append(lse.view(kv_heads, group, n).transpose(1, 2))
     if len(outs) == 1:

@@ -49,14 +49,16 @@ def paged_attention(
     block_tables: torch.Tensor,
     num_keys: torch.Tensor,
     window: int | None,
+    last_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """n new queries per sequence, q [B * n, H, D], whose keys are already in the caches
     [blocks, block_size, Hkv, D]. Sequence b has the first num_keys[b] keys of its row of
     block_tables [B, width]; its queries are the last n of them, and each attends causally
-    (the last `window` keys up to its own, if set). Returns [B * n, H * D]."""
+    (from `window` keys before its own, if set), or, prompt chunks, up to its last key in
+    last_keys [B * n] (counted as num_keys counts) where given. Returns [B * n, H * D]."""
     scale = q.shape[-1] ** -0.5
     n = q.shape[0] // block_tables.shape[0]
     out = extension().paged_attention(  # type: ignore[union-attr]
-        q.contiguous(), k_cache, v_cache, block_tables, num_keys, n, window or 0, scale
+        q.contiguous(), k_cache, v_cache, block_tables, num_keys, n, window or 0, scale, last_keys
     )
     return out.view(q.shape[0], -1)

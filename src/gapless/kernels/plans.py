@@ -12,6 +12,11 @@ decoder passes to `Kernels.attention` every layer. Each plan type is one path an
 
 A new attention path is one more plan type here, with `attend`, and its choice in `Planner`.
 
+A query sees the keys up to its own position (causal), or, inside a span's bidirectional
+range (an image's tokens in Gemma 3), up to the range's last position: every path takes that
+bound per query, its "last key", instead of the query's own position. A range must end within
+its chunk (the scheduler keeps it whole): the keys after a query are its chunk's own.
+
 Attention-logit soft-capping (Gemma 2) and attention sinks (gpt-oss) are not paths of their
 own: no fused op here takes a cap or a sink, and the runner plans a step without knowing the
 model. A layer with a cap or sinks passes them to `attend`, and every plan then computes its
@@ -57,10 +62,15 @@ class AttentionPlan(Protocol):
         ...
 
 
-def _allowed(delta: Tensor, window: int | None) -> Tensor:
-    """Where a query may attend a key delta = query position - key position ahead of it."""
-    causal = delta >= 0
-    return causal if window is None else causal & (delta < window)
+def _allowed(
+    query_pos: Tensor, key_pos: Tensor, window: int | None, last: Tensor | None = None
+) -> Tensor:
+    """Where queries at query_pos [..., n] may attend keys at key_pos [..., L], [..., n, L]: up
+    to each one's last key, `last` [..., n] (None: its own position), and no further back
+    than the window from its own position."""
+    q, k = query_pos[..., :, None], key_pos[..., None, :]
+    seen = k <= (q if last is None else last[..., :, None])
+    return seen if window is None else seen & (q - k < window)
 
 
 @dataclass
@@ -71,11 +81,14 @@ class PagedPlan:
     key_blocks: the KV-cache blocks each sequence attends to, padded, [B, nb];
     num_keys: how many keys of its row of key_blocks each sequence has, its new ones
     included, [B]; its queries are the last len(rows) / B of them.
+    last_keys: each query's last key [len(rows)], counted from its row's first key as
+    num_keys counts; None: its own (causal).
     """
 
     rows: slice
     key_blocks: Tensor
     num_keys: Tensor
+    last_keys: Tensor | None = None
 
     def attend(
         self,
@@ -89,16 +102,17 @@ class PagedPlan:
     ) -> Tensor:
         if softcap is None and sinks is None:
             return paged.paged_attention(
-                q[self.rows], *cache, self.key_blocks, self.num_keys, window
+                q[self.rows], *cache, self.key_blocks, self.num_keys, window, self.last_keys
             )
         keys, values = attention.gather_blocks(*cache, self.key_blocks)
-        n = (self.rows.stop - self.rows.start) // self.key_blocks.shape[0]
+        b = self.key_blocks.shape[0]
+        n = (self.rows.stop - self.rows.start) // b
         dev = keys.device
         # Positions counted from each sequence's first gathered key: its queries are the last n
         # of its num_keys.
         query_pos = self.num_keys[:, None] - n + torch.arange(n, device=dev)
-        delta = query_pos[..., None] - torch.arange(keys.shape[1], device=dev)
-        allowed = _allowed(delta, window)
+        last = None if self.last_keys is None else self.last_keys.view(b, n)
+        allowed = _allowed(query_pos, torch.arange(keys.shape[1], device=dev), window, last)
         return attention.explicit(q[self.rows], keys, values, allowed, softcap, sinks)
 
 
@@ -141,7 +155,7 @@ class GatheredPlan:
         keys, values = attention.gather_blocks(*cache, self.key_blocks)
         if mask is None:  # fresh whole blocks: plain causal
             keys_pos = torch.arange(keys.shape[1], device=keys.device)
-            allowed = _allowed(keys_pos[:n, None] - keys_pos, None)[None]
+            allowed = _allowed(keys_pos[:n], keys_pos, None)[None]
         else:  # [B, 1, rows, L]; a folded chunk's rows are each query's, repeated per head
             mask = mask[:, 0]
             allowed = mask.view(mask.shape[0], n, -1, mask.shape[-1])[:, :, 0] == 0
@@ -155,11 +169,18 @@ class InPlacePlan:
 
     runs: the runs of consecutive slots in the flattened cache, as (first slot, length),
     holding the keys before its new tokens (and, for a decode, its own key). Every query sees
-    them all, so they are attended unmasked; a chunk's own tokens attend causally.
+    them all, so they are attended unmasked; a chunk's own tokens attend causally, or up to
+    each query's last key, last_keys [n], counted from the chunk's first token.
     """
 
     rows: slice
     runs: list[tuple[int, int]]
+    last_keys: Tensor | None = None
+
+    def _own_allowed(self, n: int, device: torch.device) -> Tensor:
+        """Where the chunk's queries may attend its own keys, [n, n]."""
+        own = torch.arange(n, device=device)
+        return _allowed(own, own, None, self.last_keys)
 
     def attend(
         self,
@@ -172,17 +193,20 @@ class InPlacePlan:
         sinks: Tensor | None = None,
     ) -> Tensor:
         rows = self.rows
+        n = rows.stop - rows.start
         if softcap is None and sinks is None:
-            return attention.in_place(q[rows], k[rows], v[rows], *cache, self.runs)
+            own_mask = None
+            if self.last_keys is not None:
+                own_mask = torch.zeros(n, n, dtype=q.dtype, device=q.device)
+                own_mask.masked_fill_(~self._own_allowed(n, q.device), float("-inf"))
+            return attention.in_place(q[rows], k[rows], v[rows], *cache, self.runs, own_mask)
         slots = torch.cat([torch.arange(first, first + n) for first, n in self.runs])
         slots = slots.to(q.device)
         keys, values = (c.flatten(0, 1).index_select(0, slots) for c in cache)
-        n = rows.stop - rows.start
         allowed = torch.ones(n, len(slots), dtype=torch.bool, device=q.device)
-        if n > 1:  # the chunk's own keys, causally
+        if n > 1:  # the chunk's own keys
             keys, values = torch.cat((keys, k[rows])), torch.cat((values, v[rows]))
-            own = torch.arange(n, device=q.device)
-            allowed = torch.cat((allowed, _allowed(own[:, None] - own, None)), dim=1)
+            allowed = torch.cat((allowed, self._own_allowed(n, q.device)), dim=1)
         return attention.explicit(q[rows], keys[None], values[None], allowed[None], softcap, sinks)
 
 
@@ -194,6 +218,9 @@ class Span(NamedTuple):
     start: int  # how many tokens it has computed: the position of its first new token
     num_tokens: int
     block_table: list[int]  # its KV blocks, up to the one its last new token is in
+    # Ranges of positions (first, end) whose queries see every key of their range, later
+    # ones included (an image's tokens in Gemma 3); each ends within the span.
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -267,15 +294,33 @@ class Planner:
         key_start = self._key_start(span.start)
         return key_start, span.block_table[key_start // self.layout.block_size :]
 
-    def _masks(self, query_pos: Tensor, key_pos: Tensor, valid: Tensor) -> dict[int | None, Tensor]:
-        """Per window: 0 where a query may attend a key (causal, in window, not padding),
-        -inf elsewhere."""
-        delta = query_pos[..., :, None] - key_pos[..., None, :]
-        causal = (delta >= 0) & valid
-        allowed = {w: causal if w is None else causal & (delta < w) for w in self.layout.windows}
+    def _masks(
+        self, query_pos: Tensor, key_pos: Tensor, last: Tensor | None = None
+    ) -> dict[int | None, Tensor]:
+        """Per window: 0 where a query may attend a key (up to its last key, see _allowed; a
+        decode's padding lies past it), -inf elsewhere."""
+        allowed = {w: _allowed(query_pos, key_pos, w, last) for w in self.layout.windows}
         # Additive float masks, built once per step: SDPA would convert a bool mask per layer.
-        zeros = torch.zeros(causal.shape, dtype=self.kernels.kv_dtype, device=causal.device)
+        shape = next(iter(allowed.values())).shape  # every window's is the same
+        zeros = torch.zeros(shape, dtype=self.kernels.kv_dtype, device=query_pos.device)
         return {w: zeros.masked_fill(~m, float("-inf")) for w, m in allowed.items()}
+
+    @staticmethod
+    def _last_keys(span: Span) -> Tensor | None:
+        """Each of the span's queries' last key position: its own, or in a bidirectional
+        range the range's last; None when every one is its own."""
+        if not span.bidirectional:
+            return None
+        start, end = span.start, span.start + span.num_tokens
+        last = torch.arange(start, end)
+        for first, stop in span.bidirectional:
+            if not (first < end and start < stop <= end):
+                raise ValueError(
+                    f"bidirectional range {first}..{stop} does not end within the chunk "
+                    f"{start}..{end}: its later keys would not be in the cache"
+                )
+            last[max(first, start) - start : stop - start] = stop - 1
+        return last
 
     def _history_runs(self, end: int, blocks: list[int]) -> list[tuple[int, int]] | None:
         """The runs of consecutive cache slots holding keys 0 .. end - 1, when the kernels
@@ -299,19 +344,22 @@ class Planner:
         rows = slice(span.row, span.row + n)
         key_start, blocks = self._blocks(span)
         key_blocks = torch.tensor(blocks, device=dev)[None]
+        last = self._last_keys(span)
+        if last is not None:
+            last = last.to(dev)
         if self.kernels.prefills_paged(layout.head_dim):
             num_keys = torch.tensor([start + n - key_start], device=dev)
-            return PagedPlan(rows, key_blocks, num_keys)
+            return PagedPlan(rows, key_blocks, num_keys, None if last is None else last - key_start)
         fold_max = self.kernels.fold_max_queries
-        fresh = start == 0 and n % layout.block_size == 0
+        fresh = start == 0 and n % layout.block_size == 0 and last is None
         if n > fold_max and fresh and all(w is None or w >= n for w in layout.windows):
             masks = dict.fromkeys(layout.windows)  # whole fresh blocks: plain causal is exact
             return GatheredPlan(rows, n, key_blocks, masks)
         if start > 0 and (runs := self._history_runs(start, blocks)) is not None:
-            return InPlacePlan(rows, runs)
+            return InPlacePlan(rows, runs, None if last is None else last - start)
         q_pos = torch.arange(start, start + n, device=dev)
         k_pos = torch.arange(key_start, key_start + len(blocks) * layout.block_size, device=dev)
-        masks = self._masks(q_pos, k_pos, torch.tensor(True))
+        masks = self._masks(q_pos, k_pos, last)
         fold = n <= fold_max
         if fold:
             masks = {w: m.repeat_interleave(layout.head_group, dim=0) for w, m in masks.items()}
@@ -334,5 +382,5 @@ class Planner:
         k_pos = torch.tensor(key_starts, device=dev)[:, None] + offsets[None, :]
         q_pos = torch.tensor(queries, device=dev)[:, None]
         # [B, 1, 1, L]: one query per sequence, so a folded plan's rows share it by broadcast.
-        masks = {w: m[:, None] for w, m in self._masks(q_pos, k_pos, torch.tensor(True)).items()}
+        masks = {w: m[:, None] for w, m in self._masks(q_pos, k_pos).items()}
         return GatheredPlan(rows, 1, key_blocks, masks, True)

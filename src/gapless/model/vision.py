@@ -112,8 +112,8 @@ class VisionLanguageModel:
     decoder: Decoder
     encoder: VisionEncoder
     processor: ImageProcessor
-    # Gemma 3: an image's tokens attend to each other both ways (docs/vision.md), which the
-    # decoder does not do; the engine refuses its images.
+    # Gemma 3: an image's tokens attend to each other both ways (docs/vision.md): the
+    # engine computes each image's tokens in one chunk, each attending up to the image's end.
     bidirectional_images: bool = False
 
 

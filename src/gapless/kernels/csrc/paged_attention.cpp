@@ -3,9 +3,9 @@
 //
 // Decodes (one query per sequence): work items are (sequence, KV head) pairs; each reads that
 // head's keys and values once for all the query heads that share it (GQA), so a step streams
-// the cache once. Prompt chunks (n queries per sequence, causal against everything before):
-// items are (sequence, KV head, tile of queries), each walking its keys 32 at a time with an
-// online softmax, as flash attention does. Scores and sums in float32 whatever the cache dtype.
+// the cache once. Prompt chunks (n queries per sequence, causal against everything before, or
+// up to a later last key per query): items are (sequence, KV head, tile of queries), each
+// walking its keys 32 at a time with an online softmax, as flash attention does. Scores and sums in float32 whatever the cache dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -484,7 +484,7 @@ void attend_rows(const Tile<D>& tile, const uint32_t* const* query, const __mmas
 template <int D>
 void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const at::Tensor& block_tables, const at::Tensor& num_keys, int64_t n,
-             int64_t window, double scale, at::Tensor& out) {
+             int64_t window, double scale, const int64_t* last_keys, at::Tensor& out) {
   using T = c10::BFloat16;
   const PagedArgs<T> a(q, k_cache, v_cache, block_tables, num_keys, out);
   const int64_t batch = q.size(0) / n, tiles = (n + kTileQueries - 1) / kTileQueries;
@@ -501,12 +501,15 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       const int64_t b = item / (a.kv_heads * tiles), h = item / tiles % a.kv_heads;
       const int64_t q0 = item % tiles * kTileQueries, q1 = std::min(n, q0 + kTileQueries);
       const int64_t first_pos = a.lengths[b] - n;  // the key position of query 0
+      // The last key query i sees: its own, or the one last_keys gives it.
+      auto last_of = [&](int64_t i) { return last_keys ? last_keys[b * n + i] : first_pos + i; };
       const int64_t* table = a.tables + b * a.table_width;
       const int64_t rows = (q1 - q0) * a.group;
       std::fill(acc.begin(), acc.begin() + rows * D, 0.0f);
       std::fill(peak.begin(), peak.begin() + rows, kMasked);
       std::fill(total.begin(), total.begin() + rows, 0.0f);
-      const int64_t last_key = first_pos + q1 - 1;
+      int64_t last_key = 0;
+      for (int64_t i = q0; i < q1; ++i) last_key = std::max(last_key, last_of(i));
       const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_pos + q0 - window + 1) : 0;
       for (int64_t k0 = first_key; k0 <= last_key; k0 += kTileKeys) {
         const int count = static_cast<int>(std::min<int64_t>(kTileKeys, last_key + 1 - k0));
@@ -515,7 +518,7 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
           slots[j] = table[key / a.block_size] * a.block_size + key % a.block_size;
         }
         tile->load(a.keys + h * D, a.values + h * D, slots, count, a.token_stride);
-        // The rows whose query sees some key of the tile, consecutive, kBlockRows at a time.
+        // The rows whose query sees some key of the tile, kBlockRows consecutive ones at a time.
         const uint32_t* query[kBlockRows];
         __mmask32 valid[kBlockRows];
         int64_t first_row = 0;
@@ -532,13 +535,16 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
           }
           ready = 0;
         };
-        for (int64_t i = std::max(q0, k0 - first_pos); i < q1; ++i) {
-          const int64_t pos = first_pos + i;
+        for (int64_t i = q0; i < q1; ++i) {
+          const int64_t pos = first_pos + i, last = last_of(i);
           const int64_t low = window > 0 ? pos - window + 1 : 0;  // its first key in window
-          if (k0 + count - 1 < low) continue;
-          // Keys it attends: from `low` up to its own position, not past the tile's last key.
+          if (last < k0 || k0 + count - 1 < low) {
+            if (ready) flush();  // the next row is not consecutive with these
+            continue;
+          }
+          // Keys it attends: from `low` up to its last, not past the tile's last key.
           const int64_t from = std::max<int64_t>(low - k0, 0);
-          const int64_t to = std::min<int64_t>(pos - k0, count - 1);
+          const int64_t to = std::min<int64_t>(last - k0, count - 1);
           const __mmask32 mask = static_cast<__mmask32>(((uint64_t(2) << to) - 1) & ~((uint64_t(1) << from) - 1));
           for (int64_t g = 0; g < a.group; ++g) {
             if (ready == 0) first_row = (i - q0) * a.group + g;
@@ -564,10 +570,10 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
 template <typename T, int D>
 void prefill_dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& num_keys, int64_t n,
-                      int64_t window, double scale, at::Tensor& out) {
+                      int64_t window, double scale, const int64_t* last_keys, at::Tensor& out) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0)
-    return prefill<D>(q, k_cache, v_cache, block_tables, num_keys, n, window, scale, out);
+    return prefill<D>(q, k_cache, v_cache, block_tables, num_keys, n, window, scale, last_keys, out);
 #endif
   TORCH_CHECK(false, "paged_attention: prompt chunks need bf16, a head size that is a multiple"
                      " of 32, and a CPU with AVX512-BF16");
@@ -576,11 +582,13 @@ void prefill_dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::
 // q [B * n, H, D]: n new queries per sequence, the last n of its keys (already in the cache);
 // k_cache, v_cache [blocks, block_size, Hkv, D]; block_tables [B, width] int64; num_keys [B]
 // int64: sequence b has keys 0 .. num_keys[b] - 1 of its table. Query i of sequence b, at key
-// position num_keys[b] - n + i, attends the keys up to its own, the last `window` of them when
-// window > 0. Returns [B * n, H, D].
+// position p = num_keys[b] - n + i, attends the keys up to its own, or for a prompt chunk given
+// last_keys [B * n] int64, up to last_keys[b * n + i] (>= p, < num_keys[b]); from key
+// p - window + 1 when window > 0. Returns [B * n, H, D].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& num_keys, int64_t n, int64_t window, double scale) {
+                           const at::Tensor& num_keys, int64_t n, int64_t window, double scale,
+                           const c10::optional<at::Tensor>& last_keys) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type());
@@ -589,6 +597,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(n >= 1 && q.size(0) == n * block_tables.size(0) && num_keys.size(0) == block_tables.size(0));
   auto tables = block_tables.contiguous();
   auto lengths = num_keys.contiguous();
+  at::Tensor lasts;
+  if (last_keys.has_value()) {
+    TORCH_CHECK(n > 1, "paged_attention: last_keys are for prompt chunks");
+    TORCH_CHECK(last_keys->scalar_type() == at::kLong && last_keys->numel() == q.size(0));
+    lasts = last_keys->contiguous();
+  }
+  const int64_t* lasts_data = lasts.defined() ? lasts.data_ptr<int64_t>() : nullptr;
   auto out = at::empty_like(q);
   // The head size is a template argument, so the loops over it unroll and vectorize.
   auto by_head_size = [&](auto type) {
@@ -596,7 +611,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     auto run = [&](auto head_dim) {
       constexpr int D = decltype(head_dim)::value;
       if (n == 1) return decode<scalar_t, D>(q, k_cache, v_cache, tables, lengths, window, scale, out);
-      prefill_dispatch<scalar_t, D>(q, k_cache, v_cache, tables, lengths, n, window, scale, out);
+      prefill_dispatch<scalar_t, D>(q, k_cache, v_cache, tables, lengths, n, window, scale, lasts_data, out);
     };
     switch (q.size(2)) {
       case 16: return run(std::integral_constant<int, 16>());
