@@ -17,7 +17,14 @@ import gapless.kernels as kernels
 from gapless import LLM, SamplingParams
 from gapless.engine.runner import ModelRunner
 from gapless.kernels.linear import Int4Linear, NarrowLinear, PackedLinear, PlainLinear
-from gapless.kernels.plans import GatheredPlan, InPlacePlan, PagedPlan
+from gapless.kernels.plans import (
+    AttentionLayout,
+    GatheredPlan,
+    InPlacePlan,
+    PagedPlan,
+    Planner,
+    Span,
+)
 from gapless.kernels.probe import Machine, packed_linear_works
 from gapless.model.loader import load_decoder
 from gapless.model.quantize import quantize_int4
@@ -220,11 +227,13 @@ def check_paged_kernel(dtype, heads, kv_heads, dim, window, n, block_size, extra
 
 def capped_attention(q, keys, values, allowed, cap):
     """The reference: q [n, H, D] over keys, values [L, Hkv, D] where allowed [n, L], scores
-    cap * tanh(scores / cap), as transformers' eager Gemma 2 attention."""
+    cap * tanh(scores / cap) (None: uncapped), as transformers' eager Gemma 2 attention."""
     group = q.shape[1] // keys.shape[1]
     k, v = (t.repeat_interleave(group, 1) for t in (keys, values))
     scores = torch.einsum("nhd,lhd->nhl", q, k) / q.shape[-1] ** 0.5
-    scores = (torch.tanh(scores / cap) * cap).masked_fill(~allowed[:, None], float("-inf"))
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     return torch.einsum("nhl,lhd->nhd", scores.softmax(-1), v).flatten(1)
 
 
@@ -272,6 +281,69 @@ def test_every_plan_given_a_softcap_attends_with_capped_scores(window, n):
             allowed = torch.cat((allowed, torch.ones(n, n).tril()), dim=1)
         want = capped_attention(q[:n], keys, values, allowed.bool(), cap)
         assert (got - want).abs().max().item() < 1e-5
+
+
+# A chunk of n tokens from `start` with a bidirectional range (first, end): inside it; begun
+# before it (a prefix-cache hit inside an image); across the kernel's 32-query and 32-key tiles.
+BIDIRECTIONAL_CHUNKS = {"inside": (20, 37, (30, 50)), "from before": (20, 37, (12, 40))}
+BIDIRECTIONAL_CHUNKS["across tiles"] = (20, 70, (25, 80))
+# A plan type, and the Kernels fields that make the planner pick it (and, in place,
+# in_place_attention).
+CHUNK_PATHS = {
+    "paged": (PagedPlan, {"paged_prefill": True}),
+    "gathered": (GatheredPlan, {"fold_max_queries": 8}),
+    "gathered, heads folded": (GatheredPlan, {}),
+    "in place": (InPlacePlan, {}),
+}
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("chunk", BIDIRECTIONAL_CHUNKS)
+@pytest.mark.parametrize("path", CHUNK_PATHS)
+def test_every_chunk_plan_lets_a_bidirectional_range_see_to_its_end(path, chunk, window, softcap):
+    """Each query of an image's range in a chunk (Gemma 3) attends up to the range's last key,
+    later ones included, and back no further than its window; the chunk's other queries
+    causally. On every path a prompt chunk can take, capped or not."""
+    plan_type, fields = CHUNK_PATHS[path]
+    paged = path == "paged"
+    if paged and not kernels.probe.paged_prefill_works(torch.bfloat16):
+        pytest.skip("prompt chunks run on our kernel only in bf16 on CPUs with AVX512-BF16")
+    if path == "in place" and window is not None:
+        pytest.skip("in place is full attention's path")
+    start, n, (first, end) = BIDIRECTIONAL_CHUNKS[chunk]
+    dtype = torch.bfloat16 if paged else torch.float32
+    heads, kv_heads, dim, bs = 4, 2, 32, 16
+    gen = torch.Generator().manual_seed(n + first)
+    cache = tuple(torch.randn(12, bs, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    table = torch.randperm(12, generator=gen)[: -(-(start + n) // bs)].tolist()
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start + n)])
+    flat_k, flat_v = (c.flatten(0, 1) for c in cache)
+    q = torch.randn(n, heads, dim, generator=gen).to(dtype)
+
+    chosen = kernels.Kernels(CPU, dtype, False, path == "in place", **fields)
+    layout = AttentionLayout(bs, (window,), dim, heads // kv_heads, CPU)
+    [plan] = Planner(chosen, layout).plan([Span(0, start, n, table, ((first, end),))])
+    assert isinstance(plan, plan_type)
+    own = slots[start:]
+    got = plan.attend(q, flat_k[own], flat_v[own], cache, window, softcap)
+
+    pos = torch.arange(start, start + n)
+    last = torch.where((pos >= first) & (pos < end), end - 1, pos)
+    keys = torch.arange(start + n)
+    allowed = (keys <= last[:, None]) & (pos[:, None] - keys < (window or start + n))
+    want = capped_attention(
+        q.float(), flat_k[slots].float(), flat_v[slots].float(), allowed, softcap
+    )
+    assert (got.float() - want).abs().max().item() < (2e-2 if paged else 1e-5)
+
+
+def test_a_bidirectional_range_cut_by_its_chunk_is_refused():
+    """Its later keys are not in the cache yet: the scheduler never cuts such a range."""
+    chosen = kernels.Kernels(CPU, torch.float32, False, False)
+    planner = Planner(chosen, AttentionLayout(16, (None,), 32, 2, CPU))
+    with pytest.raises(ValueError, match="does not end within the chunk"):
+        planner.plan([Span(0, 0, 16, [0, 1], ((10, 20),))])
 
 
 @pytest.mark.skipif(

@@ -2,8 +2,9 @@
 vision-language checkpoints built with transformers' own classes and images drawn here with
 Pillow: preprocessing equal to transformers' image processors, image features equal to its
 get_image_features, prompt logprobs over prompts with two image regions equal to its
-forward, whole and in 16-token chunks that cut the regions, and greedy tokens after them equal
-to its generate; for LLaVA (CLIP and SigLIP towers), Gemma 3 and Qwen2.5-VL (M-RoPE).
+forward, whole and in 16-token chunks that cut the regions (that end before or after Gemma
+3's, whose tokens attend to each other both ways), and greedy tokens after them equal to its
+generate; for LLaVA (CLIP and SigLIP towers), Gemma 3 and Qwen2.5-VL (M-RoPE).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from checkpoints import _perturb_constant_params
 from PIL import Image, ImageDraw
 from test_model import Seq, prompt
 
+from gapless.engine.admission import PromptImage
 from gapless.engine.runner import ModelRunner
 from gapless.model.families import qwen2_5_vl
 from gapless.model.images import ImageProcessor
@@ -181,7 +183,8 @@ def make_llava(out: Path, tower: str) -> Path:
 
 
 def make_gemma3(out: Path) -> Path:
-    """64 patches pooled to 16 tokens; a sliding-window layer (window 24) and a global one."""
+    """64 patches pooled to 16 tokens; a sliding-window layer and a global one. The window, 10,
+    is shorter than an image: its first tokens attend to its last, which cannot see them."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -189,7 +192,7 @@ def make_gemma3(out: Path) -> Path:
         **TEXT,
         head_dim=32,
         query_pre_attn_scalar=48,
-        sliding_window=24,
+        sliding_window=10,
         layer_types=["sliding_attention", "full_attention"],
     )
     vision = tf.SiglipVisionConfig(**TOWER, image_size=56, vision_use_head=False)
@@ -281,11 +284,14 @@ def image_prompt(model: VisionLanguageModel, images: list[Image.Image]) -> list[
 
 def hf_inputs(hf_processor, images: list[Image.Image], ids: list[int]) -> dict:
     """What transformers' forward takes beside input_ids: the images as its processor gives
-    them, and for Qwen2.5-VL the token types its M-RoPE positions come from."""
+    them, and the token types its full processor gives (1 on image tokens): for Qwen2.5-VL
+    its M-RoPE positions come from them, for Gemma 3 its attention both ways in an image."""
     inputs = dict(hf_processor(images, return_tensors="pt"))
-    inputs.pop("num_crops", None)
+    token_types = torch.tensor([[int(t == IMAGE_TOKEN) for t in ids]])
+    if inputs.pop("num_crops", None) is not None:  # Gemma 3's
+        inputs["token_type_ids"] = token_types
     if "image_grid_thw" in inputs:
-        inputs["mm_token_type_ids"] = torch.tensor([[int(t == IMAGE_TOKEN) for t in ids]])
+        inputs["mm_token_type_ids"] = token_types
     return inputs
 
 
@@ -305,11 +311,41 @@ def runner_with_images(model: VisionLanguageModel, placed: PromptImages) -> Mode
     return ModelRunner(decoder, 16, 16)
 
 
+def with_images(seq: Seq, model: VisionLanguageModel, placed: PromptImages) -> Seq:
+    """The request holding the prompt's images, encoded, as the engine's does: the runner then
+    lets a Gemma 3 image's tokens attend to each other both ways."""
+    seq.req.images = tuple(
+        PromptImage(r.start, r.end - r.start, None, r.key, model.bidirectional_images)  # type: ignore[arg-type]
+        for r in placed.regions
+    )
+    seq.req.image_embeds = {i: r.embeds for i, r in enumerate(placed.regions)}
+    return seq
+
+
+def chunk_sizes(model: VisionLanguageModel, ids: list[int], placed: PromptImages) -> list[int]:
+    """Chunks of 16 tokens, cut as the scheduler cuts them with that budget: anywhere in
+    LLaVA's and Qwen2.5-VL's regions; before Gemma 3's, which then run whole."""
+    whole = [r for r in placed.regions if model.bidirectional_images]
+    sizes, start = [], 0
+    while start < len(ids):
+        end = min(start + 16, len(ids))
+        for r in whole:
+            if r.start < end < r.end:
+                end = r.start if r.start > start else r.end
+        sizes.append(end - start)
+        start = end
+    return sizes
+
+
 def run_prompt(
     model: VisionLanguageModel, ids: list[int], placed: PromptImages, sizes: list[int]
 ) -> torch.Tensor:
     """Logits of every prompt position, the prompt run in chunks of these sizes."""
-    runner, seq, out = runner_with_images(model, placed), Seq(ids, 0), []
+    runner, seq, out = (
+        runner_with_images(model, placed),
+        with_images(Seq(ids, 0), model, placed),
+        [],
+    )
     for n in sizes:
         out.append(runner.execute([seq.chunk(n)], {0})[0])
         seq.req.num_computed += n
@@ -343,8 +379,6 @@ def test_two_images_prompt_and_greedy_tokens_equal_transformers(vlm, name: str) 
     ids = image_prompt(ours, images)
     inputs = hf_inputs(hf_processor, images, ids)
     with torch.no_grad():
-        # Gemma 3 without token_type_ids: causal over the image tokens, as our decoder attends
-        # (test_gemma3_bidirectional_image_attention_is_what_differs).
         want = hf(input_ids=torch.tensor([ids]), **inputs).logits[0]
         out = hf.generate(
             torch.tensor([ids]), **inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False
@@ -356,13 +390,12 @@ def test_two_images_prompt_and_greedy_tokens_equal_transformers(vlm, name: str) 
     ]
     whole = run_prompt(ours, ids, placed, [len(ids)])
     assert (whole.log_softmax(-1) - want.log_softmax(-1)).abs().max().item() < 1e-4
-    cuts = [16] * (len(ids) // 16) + [len(ids) % 16]
     assert any(r.start % 16 and r.end - r.start > 16 - r.start % 16 for r in regions)  # cut
-    chunked = run_prompt(ours, ids, placed, [c for c in cuts if c])
+    chunked = run_prompt(ours, ids, placed, chunk_sizes(ours, ids, placed))
     assert (chunked - whole).abs().max().item() < 1e-4
 
     runner = runner_with_images(ours, placed)
-    seq = Seq(ids, 0)
+    seq = with_images(Seq(ids, 0), ours, placed)
     seq.req.block_table = list(range(16))
     logits, got = runner.execute([seq.chunk(len(ids))], set())[0], []
     seq.req.num_computed = len(ids)
@@ -431,21 +464,25 @@ def test_qwen2_5_vl_hub_config_loads_alike(vlm, tmp_path: Path) -> None:
     assert same_logits(path, out)
 
 
-def test_gemma3_bidirectional_image_attention_is_what_differs(vlm) -> None:
+def test_gemma3_image_tokens_attend_both_ways_as_transformers(vlm) -> None:
     """transformers, given its processor's token_type_ids, lets an image's tokens attend to each
-    other both ways; our causal decoder matches it up to the first image token, and not after."""
+    other both ways, and so do we; attending causally instead matches it up to the first image
+    token only (what the parity test above would catch)."""
     path = vlm("gemma3")
     hf, hf_processor = hf_vlm(path)
     ours = load_vision_language(path, "float32")
     images = IMAGES[:2]
     ids = image_prompt(ours, images)
     with torch.no_grad():
-        pixels = hf_processor(images, return_tensors="pt")["pixel_values"]
-        token_types = torch.tensor([[int(t == IMAGE_TOKEN) for t in ids]])
-        want = hf(input_ids=torch.tensor([ids]), pixel_values=pixels, token_type_ids=token_types)
-    got = run_prompt(ours, ids, prompt_images(ours, ids, images), [len(ids)])
+        inputs = hf_inputs(hf_processor, images, ids)
+        want = hf(input_ids=torch.tensor([ids]), **inputs).logits[0].log_softmax(-1)
+    placed = prompt_images(ours, ids, images)
+    both_ways = run_prompt(ours, ids, placed, [len(ids)]).log_softmax(-1)
+    ours.bidirectional_images = False
+    causal = run_prompt(ours, ids, placed, [len(ids)]).log_softmax(-1)
     first = ids.index(IMAGE_TOKEN)
-    diff = (got.log_softmax(-1) - want.logits[0].log_softmax(-1)).abs().amax(-1)
+    assert (both_ways - want).abs().max().item() < 1e-4
+    diff = (causal - want).abs().amax(-1)
     assert diff[:first].max().item() < 1e-4
     assert diff[first:].max().item() > 1e-2
 
