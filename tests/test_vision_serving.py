@@ -1,8 +1,9 @@
 """Images through the engine (issue 28): a request's image tokens prefill in chunks like text,
 its encoder runs once per image in the step that first reaches it, and the tokens equal
-transformers' generate; chunks of 16 that cut the regions give the same tokens; the prefix
-cache shares blocks only for the same image; cancelling frees blocks and embeddings; and each
-bad image is refused at admission with a message naming its limit."""
+transformers' generate; chunks of 16 that cut the regions give the same tokens (Gemma 3's,
+whose tokens attend to each other both ways, are never cut: chunks end before them or run to
+their end); the prefix cache shares blocks only for the same image; cancelling frees blocks and
+embeddings; and each bad image is refused at admission with a message naming its limit."""
 
 from __future__ import annotations
 
@@ -14,14 +15,26 @@ import torch
 from checkpoints import write_test_tokenizer
 from PIL import Image
 from test_model import prompt
-from test_vision import IMAGE_TOKEN, IMAGES, hf_inputs, hf_vlm, make_llava, make_qwen2_5_vl
+from test_vision import (
+    IMAGE_TOKEN,
+    IMAGES,
+    hf_inputs,
+    hf_vlm,
+    make_gemma3,
+    make_llava,
+    make_qwen2_5_vl,
+)
 
 from gapless.engine.admission import RequestError
 from gapless.engine.engine import Engine, EngineConfig
-from gapless.engine.events import TokenEvent
+from gapless.engine.events import FinishedEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
 
-MAKERS = {"llava": lambda out: make_llava(out, "clip"), "qwen2_5_vl": make_qwen2_5_vl}
+MAKERS = {
+    "llava": lambda out: make_llava(out, "clip"),
+    "qwen2_5_vl": make_qwen2_5_vl,
+    "gemma3": make_gemma3,
+}
 NEW_TOKENS = 6
 
 
@@ -104,8 +117,9 @@ def test_greedy_tokens_with_two_images_equal_transformers_whole_and_in_16_token_
     assert chunked.pool.num_used == 0
 
 
-def test_image_request_beside_decodes_keeps_one_token_per_step(vlm) -> None:
-    engine = engine_of(vlm("llava"), chunk=16)
+@pytest.mark.parametrize("name", ["llava", "gemma3"])
+def test_image_request_beside_decodes_keeps_one_token_per_step(vlm, name: str) -> None:
+    engine = engine_of(vlm(name), chunk=16)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     streams = [engine.add_request(prompt(7, seed=10 + i), params) for i in range(3)]
     for _ in range(3):
@@ -114,6 +128,62 @@ def test_image_request_beside_decodes_keeps_one_token_per_step(vlm) -> None:
     for _ in range(6):
         tokens = {e.request_id for e in engine.step() if isinstance(e, TokenEvent)}
         assert set(streams) <= tokens
+
+
+def gemma3_steps(
+    engine: Engine, ids: list[int], images: list, prompt_logprobs: int | None = None
+) -> tuple[list[int], list[int], list | None]:
+    """Runs the request alone: its greedy tokens, how far its prompt was computed after each
+    step, and its prompt logprobs."""
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, prompt_logprobs=prompt_logprobs
+    )
+    engine.add_request(ids, params, images=[png(i) for i in images])
+    engine.step()
+    [req] = engine.scheduler.running
+    computed, tokens, finished = [req.num_computed], [], []
+    while engine.has_work:
+        events = engine.step()
+        tokens += [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
+        finished += [e for e in events if isinstance(e, FinishedEvent)]
+        computed.append(min(req.num_computed, len(req.prompt_ids)))
+    return tokens, computed, finished[0].prompt_logprobs
+
+
+def test_gemma3_images_are_never_cut_by_a_chunk(vlm) -> None:
+    """With 8-token chunks, shorter than an image (16 tokens): each chunk that would end inside
+    one ends before it, and the image then runs whole in the next; the prompt logprobs and
+    tokens equal transformers'. Then a prompt whose prefix-cache hit ends inside an image: the
+    rest of the image runs whole."""
+    path = vlm("gemma3")
+    engine = engine_of(path, chunk=8)
+    ids, images = two_image_prompt(), IMAGES[:2]
+    checked = engine.admission.check_prompt(ids, images=[png(i) for i in images])
+    hf, hf_processor = hf_vlm(path)
+    with torch.no_grad():
+        inputs = hf_inputs(hf_processor, images, checked)
+        logits = hf(input_ids=torch.tensor([checked]), **inputs).logits[0]
+    want = logits[:-1].log_softmax(-1).gather(1, torch.tensor(checked[1:])[:, None])[:, 0]
+    tokens, computed, logprobs = gemma3_steps(engine, ids, images, prompt_logprobs=0)
+    assert logprobs[0] is None
+    got = torch.tensor([logprob for _, logprob, _ in logprobs[1:]])
+    assert (got - want).abs().max().item() < 1e-4
+    assert tokens == expected(path, engine, ids, images)
+    steps = sorted(set(computed))
+    for image in checked.images:
+        assert image.length > 8
+        assert not any(image.start < c < image.end for c in steps)
+        assert steps[steps.index(image.start) + 1] == image.end  # one step, past the budget
+
+    # The same text and first image, then other text: the cache holds the first block only,
+    # which ends 3 tokens into the image; the 13 after it, more than a chunk, run in one step.
+    other = prompt(13, seed=1) + [IMAGE_TOKEN] + prompt(20, seed=7)
+    hit = engine.scheduler.prefix_hit_tokens
+    tokens, computed, _ = gemma3_steps(engine, other, images[:1])
+    assert engine.scheduler.prefix_hit_tokens - hit == 16
+    first = checked.images[0]
+    assert first.start < 16 and computed[0] == first.end
+    assert tokens == expected(path, engine, other, images[:1])
 
 
 def test_cancel_during_prefill_frees_blocks_and_embeddings(vlm) -> None:
