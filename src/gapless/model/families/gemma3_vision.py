@@ -7,9 +7,9 @@ As transformers' modeling_gemma3.py computes an image's features: the tower's la
 1 + w; the tower's eps), then a projection to the text hidden size. The prompt holds
 `boi`, `mm_tokens_per_image` image tokens, `eoi`.
 
-transformers attends bidirectionally among one image's tokens when given the token_type_ids
-its processor returns (a causal mask OR'ed with "same image"); our decoder attends causally
-(docs/vision.md says what that changes and what the engine needs for it).
+transformers attends both ways among one image's tokens when given the token_type_ids its
+processor returns (a causal mask OR'ed with "same image"); so does the engine, which computes
+each image in one chunk (docs/vision.md, "Gemma 3: attention both ways inside an image").
 """
 
 from __future__ import annotations
