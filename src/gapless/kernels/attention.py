@@ -5,8 +5,9 @@ Two implementations:
   index_select, then one F.scaled_dot_product_attention call with the group's mask;
 - in place (the CPU flash op, which returns log-sum-exps): a single full-attention
   sequence attends its history straight from the cache, one unmasked call per run of
-  consecutive cache slots, and its own new tokens causally (or under a mask); the parts are merged by their
-  log-sum-exps (as in flash attention's own blocked loop). No copy of the history, which grows with every step of a long conversation.
+  consecutive cache slots, and its own new tokens causally (or under a mask); the parts are
+  merged by their log-sum-exps (as in flash attention's own blocked loop). No copy of the
+  history, which grows with every step of a long conversation.
 """
 
 from __future__ import annotations

@@ -305,14 +305,13 @@ class Planner:
         zeros = torch.zeros(shape, dtype=self.kernels.kv_dtype, device=query_pos.device)
         return {w: zeros.masked_fill(~m, float("-inf")) for w, m in allowed.items()}
 
-    @staticmethod
-    def _last_keys(span: Span) -> Tensor | None:
+    def _last_keys(self, span: Span) -> Tensor | None:
         """Each of the span's queries' last key position: its own, or in a bidirectional
         range the range's last; None when every one is its own."""
         if not span.bidirectional:
             return None
         start, end = span.start, span.start + span.num_tokens
-        last = torch.arange(start, end)
+        last = torch.arange(start, end, device=self.layout.device)
         for first, stop in span.bidirectional:
             if not (first < end and start < stop <= end):
                 raise ValueError(
@@ -345,8 +344,6 @@ class Planner:
         key_start, blocks = self._blocks(span)
         key_blocks = torch.tensor(blocks, device=dev)[None]
         last = self._last_keys(span)
-        if last is not None:
-            last = last.to(dev)
         if self.kernels.prefills_paged(layout.head_dim):
             num_keys = torch.tensor([start + n - key_start], device=dev)
             return PagedPlan(rows, key_blocks, num_keys, None if last is None else last - key_start)

@@ -5,7 +5,8 @@
 // head's keys and values once for all the query heads that share it (GQA), so a step streams
 // the cache once. Prompt chunks (n queries per sequence, causal against everything before, or
 // up to a later last key per query): items are (sequence, KV head, tile of queries), each
-// walking its keys 32 at a time with an online softmax, as flash attention does. Scores and sums in float32 whatever the cache dtype.
+// walking its keys 32 at a time with an online softmax, as flash attention does. Scores and
+// sums in float32 whatever the cache dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
