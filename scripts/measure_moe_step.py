@@ -3,11 +3,13 @@ parameters: bench/make_model.py's qwen3-30b-a3b-narrow (128 experts, 8 chosen pe
 qwen3-30b-a3b-narrow-dense (one MLP of 8 experts' rows), in one process, steps interleaved.
 
     .venv/bin/python scripts/measure_moe_step.py DIR [--rounds N] [--context N] [--dtype D]
-        [--threads N] [--batch N]
+        [--threads N] [--batch N] [--profile N]
 
 DIR holds the two checkpoints (made there on the first run: ~1.3 GB). Each round times one
 decode step of each model, in turn, at the same context length; the figures are medians over
-the rounds, and the ratio is the median of each round's MoE/dense.
+the rounds, and the ratio is the median of each round's MoE/dense. With --profile N, each
+model's N steps after those run under torch.profiler: its ops by self time, and how many
+op calls a step makes.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoding together")
+    p.add_argument("--profile", type=int, default=0, help="steps of each model to profile")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -71,7 +74,8 @@ def main() -> None:
         if not path.exists():
             make_model(path, preset)
     moe, dense = (
-        Decoding(path, args.dtype, args.context, args.rounds + 5, args.batch) for path in paths
+        Decoding(path, args.dtype, args.context, args.rounds + 5 + args.profile, args.batch)
+        for path in paths
     )
     for _ in range(5):  # warm-up
         moe.step(), dense.step()
@@ -84,6 +88,20 @@ def main() -> None:
         f"batch-{args.batch} decode step: MoE {moe_ms:.2f} ms, dense {dense_ms:.2f} ms, "
         f"MoE/dense {ratio:.2f}x (median of per-round ratios)"
     )
+    for name, model in (("MoE", moe), ("dense", dense)):
+        if args.profile:
+            profile(name, model, args.profile)
+
+
+def profile(name: str, model: Decoding, steps: int) -> None:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            model.step()
+    ops = prof.key_averages()
+    calls = sum(op.count for op in ops) / steps
+    self_ms = sum(op.self_cpu_time_total for op in ops) / steps / 1e3
+    print(f"\n{name}: {calls:.0f} op calls a step, {self_ms:.2f} ms of op self time a step")
+    print(ops.table(sort_by="self_cpu_time_total", row_limit=14))
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ from test_tensor_parallel import sharded_runner, tp2  # noqa: F401 - a fixture
 
 from gapless import LLM, SamplingParams
 from gapless.engine.runner import ModelRunner
-from gapless.kernels.linear import BlockLinear, PlainLinear
+from gapless.kernels.linear import BlockLinear, PackedLinear, PlainLinear
 from gapless.kernels.moe import Experts
+from gapless.kernels.probe import packed_linear_works, step_ops_work
 from gapless.kernels.quant import BlockQuant
 from gapless.model.config import ConfigError, ModelConfig
 from gapless.model.families.qwen3_moe import MoeLayer
@@ -144,6 +145,30 @@ def test_experts_run_once_each_over_all_their_tokens():
             assert kind[e].rows == ([count] if count else [])
     lone = Experts(gate_up, downs)(x[:1], chosen[:1], weights[:1])  # a lone decode's path
     assert (lone - want[:1]).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(
+    not (packed_linear_works(torch.bfloat16) and step_ops_work()),
+    reason="needs oneDNN's packed linear and our kernels",
+)
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_packed_experts_in_one_parallel_region_equal_them_one_by_one(monkeypatch, tokens):
+    """kernels/csrc/expert_ops.cpp runs oneDNN-packed experts each on one thread of one
+    parallel region: the same outputs as calling them one after another (float32, where the
+    two differ only by summation order)."""
+    gen = torch.Generator().manual_seed(1)
+    n, hidden, inter, k = 6, 64, 32, 2
+    gate_up = [PackedLinear(torch.randn(2 * inter, hidden, generator=gen)) for _ in range(n)]
+    downs = [PackedLinear(torch.randn(hidden, inter, generator=gen)) for _ in range(n)]
+    x = torch.randn(tokens, hidden, generator=gen)
+    chosen = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=gen)
+    with torch.inference_mode():
+        grouped = Experts(gate_up, downs)(x, chosen, weights)
+        monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
+        one_by_one = Experts(gate_up, downs)(x, chosen, weights)
+    scale = one_by_one.abs().max().item()
+    assert (grouped - one_by_one).abs().max().item() < 1e-5 * scale
 
 
 def moe_layers(decoder) -> list[MoeLayer]:

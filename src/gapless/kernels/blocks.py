@@ -6,7 +6,8 @@ in every decode step's reads. Here the weight stays in the file's blocks. Decode
 few activation rows) are quantized to 8 bits per block and dotted with the blocks as stored,
 so a step streams the quantized bytes and nothing else; prompt chunks dequantize a tile of
 weight rows at a time into a small buffer and multiply there (never the whole weight).
-The same build holds the step's small ops (step_ops.py).
+The same build holds the step's small ops (step_ops.py) and the experts' grouped linears
+(moe.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import torch
 from gapless.kernels import build
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / n for n in ("gguf_ops.cpp", "gguf_q32.cpp", "gguf_kquants.cpp", "step_ops.cpp")]
+SOURCES = [
+    CSRC / n
+    for n in ("gguf_ops.cpp", "gguf_q32.cpp", "gguf_kquants.cpp", "step_ops.cpp", "expert_ops.cpp")
+]
 # No FMA contraction: dequantize's d * code + m must round as the `gguf` package's numpy.
 CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
 

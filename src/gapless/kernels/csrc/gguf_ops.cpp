@@ -306,7 +306,8 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, b
 
 }  // namespace
 
-void register_step_ops(pybind11::module_& m);  // step_ops.cpp
+void register_step_ops(pybind11::module_& m);    // step_ops.cpp
+void register_expert_ops(pybind11::module_& m);  // expert_ops.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_type", [](int64_t qtype) {
@@ -326,4 +327,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm", &mm, "x [M, K] times GGUF blocks^T, a dequantized tile of rows at a time",
         arg("x"), arg("blocks"), arg("qtype"), arg("interleaved") = false);
   register_step_ops(m);
+  register_expert_ops(m);
 }
