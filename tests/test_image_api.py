@@ -12,6 +12,7 @@ import base64
 import contextlib
 import http.server
 import io
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ import pytest
 from checkpoints import write_test_tokenizer
 from PIL import Image
 from server_fixture import MODEL, RunningServer, running_server
-from test_vision import drawn, make_llava
+from test_vision import drawn, make_gemma3, make_llava
 
 from gapless.engine.engine import Engine, EngineConfig
 from gapless.engine.events import TokenEvent
@@ -409,3 +410,45 @@ def test_an_image_url_over_the_size_limit_is_refused(vlm_dir: Path, image_host: 
         r = client.post(path, json=body)
         assert r.status_code == 400, r.text
         assert "(--image-url-max-mb)" in r.json()["error"]["message"]
+
+
+# -- Gemma 3's image markup --------------------------------------------------------------------
+
+# The template writes Gemma 3's <start_of_image> (here the test tokenizer's <|system|>) for an
+# image, and its processor rewrites that in the text before tokenizing.
+GEMMA_TEMPLATE = TEMPLATE.replace("<|pad|>", "<|system|>")
+
+
+def test_gemma3s_image_mark_is_rewritten_as_its_processor_does(tmp_path: Path) -> None:
+    out = make_gemma3(tmp_path / "gemma3")
+    config = json.loads((out / "config.json").read_text())
+    # <|pad|> the image token, <|system|> its start, <|eos|> its end: special tokens, so that
+    # the text can spell them
+    config |= {"image_token_index": IMAGE_TOKEN, "boi_token_index": 5, "eoi_token_index": 1}
+    (out / "config.json").write_text(json.dumps(config))
+    write_test_tokenizer(out, chat_template=GEMMA_TEMPLATE)
+    with running_server(out, ServerSettings(MODEL), **ENGINE_FIELDS) as running:
+        tokenizer = running.engine.tokenizer
+        content = [openai_image(RED_DISK), {"type": "text", "text": QUESTION}]
+        messages = [{"role": "user", "content": content}]
+        with running.client() as client:
+            got = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+            # what Gemma3Processor makes of the rendered chat: blank lines around the image's
+            # start, its 16 tokens and its end, tokenized with the text around them
+            start = tokenizer.encode("<|bos|><|user|>\n\n<|system|>", add_special_tokens=False)
+            end = tokenizer.encode(
+                f"<|eos|>\n\n{QUESTION}<|end|><|assistant|>", add_special_tokens=False
+            )
+            assert got == start + [IMAGE_TOKEN] * 16 + end
+            body = {"model": MODEL, "messages": messages, "max_tokens": NEW_TOKENS}
+            reply = client.post("/v1/chat/completions", json={**body, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+        engine = Engine.from_pretrained(
+            out, EngineConfig.of(dtype="float32", device="cpu", **ENGINE_FIELDS)
+        )
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+        engine.add_request(start + [IMAGE_TOKEN] + end, params, images=[RED_DISK])
+        ids: list[int] = []
+        while engine.has_work:
+            ids += [t for e in engine.step() if isinstance(e, TokenEvent) for t in e.token_ids]
+        assert reply.json()["choices"][0]["message"]["content"] == tokenizer.decode(ids)

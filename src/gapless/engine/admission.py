@@ -130,8 +130,14 @@ class Admission:
         whatever their names (`self` too)."""
         # The rendered prompt holds every message's content.
         self.check_length(sum(_content_chars(m.get("content")) for m in messages))
+        expand = getattr(self.vision.encoder, "expand_markup", None) if self.vision else None
         try:
-            return self.tokenizer.encode_chat(messages, **template_kwargs)
+            if expand is None or not any(_has_image(m.get("content")) for m in messages):
+                return self.tokenizer.encode_chat(messages, **template_kwargs)
+            # Gemma 3: the template marks an image, and its processor rewrites the mark in the
+            # text before tokenizing (gemma3_vision.py).
+            text = self.tokenizer.apply_chat_template(messages, **template_kwargs)
+            return self.tokenizer.encode(expand(text, self.tokenizer.token_text), False)
         except ValueError as e:  # no template, or the template rejected the conversation
             raise RequestError(str(e), "prompt", None) from e
 
@@ -303,6 +309,13 @@ class Admission:
                 None,
             )
         _check_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
+
+
+def _has_image(content: Any) -> bool:
+    """Whether a message's content holds an image part (server/images.py writes them)."""
+    return isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") == "image" for part in content
+    )
 
 
 def _content_chars(content: Any) -> int:

@@ -14,6 +14,7 @@ each image in one chunk (docs/vision.md, "Gemma 3: attention both ways inside an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,8 @@ class Gemma3VisionConfig:
     text_hidden: int
     image_token_id: int
     tokens_per_image: int
+    boi_token_id: int  # <start_of_image>, what the chat template writes for an image
+    eoi_token_id: int  # <end_of_image>
 
 
 # config.json saves text_config's keys only where they differ from transformers' defaults
@@ -74,6 +77,8 @@ def config(raw: dict, text_hidden: int) -> Gemma3VisionConfig:
         text_hidden=text_hidden,
         image_token_id=raw.get("image_token_index", raw.get("image_token_id", 262_144)),
         tokens_per_image=raw.get("mm_tokens_per_image", 256),
+        boi_token_id=raw.get("boi_token_index", 255_999),
+        eoi_token_id=raw.get("eoi_token_index", 256_000),
     )
 
 
@@ -98,6 +103,15 @@ class Gemma3Vision:
 
     def tokens(self, image: PreparedImage) -> int:
         return self.cfg.tokens_per_image
+
+    def expand_markup(self, text: str, token_text: Callable[[int], str]) -> str:
+        """A rendered chat as Gemma 3's processor rewrites it before tokenizing: where the
+        template wrote `<start_of_image>` for an image, blank lines around the image's
+        start, its placeholder (one here; admission expands it) and its end. The newlines
+        merge with the text around them, so they are text, not ids added later."""
+        boi, eoi = token_text(self.cfg.boi_token_id), token_text(self.cfg.eoi_token_id)
+        image = token_text(self.cfg.image_token_id)
+        return text.replace(boi, f"\n\n{boi}{image}{eoi}\n\n")
 
     def rope_positions(self, token_ids: list[int], images: list[PreparedImage]) -> None:
         return None  # an image's tokens rotate by their index, as text
