@@ -30,9 +30,8 @@ def gemma3(checkpoint):
 
 
 def engine(path, **fields) -> Engine:
-    return Engine.from_pretrained(
-        path, EngineConfig.of(dtype="float32", prefill_chunk=CHUNK, idle_prefill_chunk=CHUNK, **fields)
-    )
+    chunks = {"prefill_chunk": CHUNK, "idle_prefill_chunk": CHUNK}
+    return Engine.from_pretrained(path, EngineConfig.of(dtype="float32", **chunks, **fields))
 
 
 def full_kv_engine(path) -> Engine:
@@ -60,9 +59,10 @@ def test_the_local_layers_form_a_group_with_a_pool_of_their_own(gemma3):
 def test_a_long_run_gives_the_tokens_of_transformers_and_of_full_kv(gemma3):
     ids = prompt(PROMPT, 7)
     with torch.no_grad():
-        want = hf_model(gemma3).generate(
+        out = hf_model(gemma3).generate(
             torch.tensor([ids]), max_new_tokens=DECODE, min_new_tokens=DECODE, do_sample=False
-        )[0, PROMPT:].tolist()
+        )
+    want = out[0, PROMPT:].tolist()
     full = full_kv_engine(gemma3)
     full.add_request(ids, greedy(DECODE))
     assert tokens(next(iter(run(full).values()))) == want
@@ -106,6 +106,19 @@ def test_a_prefix_hit_gives_the_same_tokens(gemma3):
     # last token's block (at least one token is computed) is served.
     assert finished(events).cached_prompt_tokens == (PROMPT - 1) // BLOCK * BLOCK
     assert tokens(events) == want
+    assert pools_empty(e)
+
+
+def test_verified_proposals_read_back_a_window_from_their_first_position(gemma3):
+    # A prompt that repeats itself, so that prompt lookup proposes runs of its tokens.
+    ids = prompt(40, 10) * 4
+    outputs = []
+    for x in (full_kv_engine(gemma3), e := engine(gemma3)):
+        rid = x.add_request(ids, greedy(60))
+        outputs.append(tokens(run(x)[rid]))
+    want, got = outputs
+    assert e.metrics.speculative_accepted_tokens > 0
+    assert got == want
     assert pools_empty(e)
 
 
