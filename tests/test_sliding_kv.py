@@ -9,7 +9,7 @@ import torch
 from test_engine import finished, greedy, prompt, run, tokens
 from test_model import hf_model
 
-from gapless import Engine, EngineConfig
+from gapless import LLM, Engine, EngineConfig
 from gapless.engine.request import Request, RequestState
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampling_params import SamplingParams
@@ -54,6 +54,7 @@ def test_the_local_layers_form_a_group_with_a_pool_of_their_own(gemma3):
     cache = e.runner.kv_cache
     assert cache[5][0].shape[0] == e.pool.num_blocks
     assert cache[0][0].shape[0] == sliding.pool.num_blocks < e.pool.num_blocks
+    e.reserve_peak_memory()  # its largest step fits the local pool too
 
 
 def test_a_long_run_gives_the_tokens_of_transformers_and_of_full_kv(gemma3):
@@ -120,6 +121,29 @@ def test_verified_proposals_read_back_a_window_from_their_first_position(gemma3)
     assert e.metrics.speculative_accepted_tokens > 0
     assert got == want
     assert pools_empty(e)
+
+
+def test_n_choices_fork_every_group(gemma3):
+    # Ends 12 tokens into a block: each choice copies that block, in each group, and half the
+    # local layers' window lies in it.
+    ids = prompt(8 * BLOCK + 12, 12)
+    e = engine(gemma3)
+    rid = e.add_request(ids, greedy(20))
+    want = tokens(run(e)[rid])
+    e.add_request(ids, greedy(20, n=2), request_id="two")
+    events = run(e)["two"]
+    for index in (0, 1):
+        chosen = [ev for ev in events if getattr(ev, "index", None) == index]
+        assert tokens(chosen) == want
+    assert pools_empty(e)
+
+
+def test_two_ranks_keep_the_same_groups(gemma3):
+    ids = prompt(PROMPT, 11)
+    want = LLM(gemma3, dtype="float32", prefill_chunk=CHUNK).generate([ids], greedy(20))
+    llm = LLM(gemma3, dtype="float32", prefill_chunk=CHUNK, tensor_parallel_size=2)
+    assert llm.engine.runner.window_blocks
+    assert llm.generate([ids], greedy(20))[0].token_ids == want[0].token_ids
 
 
 def test_cancel_mid_prefill_frees_every_group(gemma3):
