@@ -147,9 +147,8 @@ class Scheduler:
         self.config = config
         self.policy = PREFILL_POLICIES[config.prefill_policy]
         self.pool = pool
-        # The widest attention window over all layers (None: full attention): blocks every
-        # layer's window has passed are released.
-        self.window = window
+        # Every KV group with its window (None: full attention): blocks a group's window has
+        # passed are released.
         self.groups = [KVGroup(pool, window), *(window_groups or [])]
         self.max_model_len = max_model_len  # proposals never reach past it
         # A latency target replaces the static chunk budget when decodes run. It is given the
