@@ -147,13 +147,15 @@ def test_two_ranks_keep_the_same_groups(gemma3):
 
 
 def test_cancel_mid_prefill_frees_every_group(gemma3):
-    e = engine(gemma3)
-    rid = e.add_request(prompt(PROMPT, 9), greedy(5))
+    e = engine(gemma3, max_num_seqs=1)
+    rid = e.add_request(prompt(PROMPT, 9), greedy(5, n=2))  # its second choice waits to fork
+    queued = e.add_request(prompt(PROMPT, 10), greedy(5))
     for _ in range(4):
         e.step()
     [req] = e.scheduler.running
     assert req.state is RequestState.PREFILLING and -1 in req.window_tables[0]
     e.cancel(rid)
+    e.cancel(queued)
     e.step()
     assert not e.has_work and pools_empty(e)
 

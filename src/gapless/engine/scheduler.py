@@ -353,8 +353,8 @@ class Scheduler:
         return forked, copies
 
     def _tables(self, request: Request) -> list[list[int]]:
-        """The request's block table in each KV group."""
-        return [request.block_table, *request.window_tables]
+        """The request's block table in each KV group (empty ones before it is admitted)."""
+        return [request.block_table, *(request.window_tables or [[] for _ in self.groups[1:]])]
 
     def _reserve(self, request: Request, n: int) -> bool:
         """Makes room in the request's block tables for its next n tokens."""

@@ -37,7 +37,9 @@ class BatchInput:
     # The write slots and plans of the layers with each of these windows, whose K/V lies in
     # blocks of their own (a sliding-window KV group: kv/groups.py); other layers' are
     # write_slots and attention.
-    windows: dict[int, tuple[torch.Tensor, list[AttentionPlan]]] = field(default_factory=dict)
+    windows: dict[int | None, tuple[torch.Tensor, list[AttentionPlan]]] = field(
+        default_factory=dict
+    )
     # Rows whose hidden states after the final norm forward also keeps, float32, in `hidden`
     # (embeddings); None: none.
     hidden_rows: torch.Tensor | None = None
@@ -148,7 +150,7 @@ class Step:
         softcap: scores become softcap * tanh(scores / softcap) (Gemma 2); sinks [H]: a
         logit per head that joins the softmax's denominator (gpt-oss). Returns [T, H * D]."""
         batch = self.batch
-        slots, plans = batch.windows.get(window, (batch.write_slots, batch.attention))  # type: ignore[arg-type]
+        slots, plans = batch.windows.get(window, (batch.write_slots, batch.attention))
         k, v = write_kv(k, v, *kv_cache, slots)
         return self.kernels.attention(q, k, v, kv_cache, plans, window, softcap, sinks)
 
