@@ -222,4 +222,4 @@ def test_gemma3_270m_kv_bytes_per_token():
         groups, BLOCK, [full, local], 64, config.max_step_tokens(False), 32768, None, 2 * 2**30
     )
     assert local_blocks == 64 * 33 + 4096 // BLOCK
-    assert (blocks * BLOCK, 2 * 2**30 // 18432) == (509_600, 116_508)
+    assert (blocks * BLOCK, 2 * 2**30 // (18432 * BLOCK) * BLOCK) == (509_600, 116_496)
