@@ -223,3 +223,20 @@ def test_gemma3_270m_kv_bytes_per_token():
     )
     assert local_blocks == 64 * 33 + 4096 // BLOCK
     assert (blocks * BLOCK, 2 * 2**30 // (18432 * BLOCK) * BLOCK) == (509_600, 116_496)
+
+
+def test_a_budget_too_small_for_every_window_is_shared_block_for_block():
+    # Gemma 2's shape: alternating, window 4,096; 1 GiB is less than 64 sequences' windows.
+    groups = LayerGroups.of((4096, None) * 13)
+    per_token = groups.bytes_per_token(4096)
+    full, (local,) = split_blocks(groups, BLOCK, per_token, 64, 4096, 8192, None, 2**30)
+    assert full == local == 2**30 // (sum(per_token) * BLOCK)
+    # One group (every layer full, or every layer one window) is sized as it always was.
+    one = LayerGroups.of((None,) * 4)
+    assert one.windows == (None,) and split_blocks(
+        one, BLOCK, [4096], 2, 512, 8192, None, 2**30
+    ) == (
+        2 * 8192 // BLOCK,  # every running sequence at full context, no more
+        (),
+    )
+    assert split_blocks(one, BLOCK, [4096], 2, 512, 8192, 1000, 2**30) == (63, ())
