@@ -233,10 +233,7 @@ def test_a_budget_too_small_for_every_window_is_shared_block_for_block():
     assert full == local == 2**30 // (sum(per_token) * BLOCK)
     # One group (every layer full, or every layer one window) is sized as it always was.
     one = LayerGroups.of((None,) * 4)
-    assert one.windows == (None,) and split_blocks(
-        one, BLOCK, [4096], 2, 512, 8192, None, 2**30
-    ) == (
-        2 * 8192 // BLOCK,  # every running sequence at full context, no more
-        (),
-    )
-    assert split_blocks(one, BLOCK, [4096], 2, 512, 8192, 1000, 2**30) == (63, ())
+    assert one.windows == (None,)
+    # Bytes: no more than every running sequence (2) at full context (8,192 tokens).
+    assert split_blocks(one, BLOCK, [4096], 2, 512, 8192, None, 2**30) == (2 * 8192 // BLOCK, ())
+    assert split_blocks(one, BLOCK, [4096], 2, 512, 8192, 1000, 2**30) == (63, ())  # tokens
