@@ -89,6 +89,7 @@ class LoadModel:
 class AllocateKV:
     num_blocks: int
     block_size: int
+    window_blocks: tuple[int, ...] = ()  # ModelRunner's
 
 
 @dataclass
@@ -245,7 +246,12 @@ def serve_worker(parallel: TensorParallel) -> int:
                 )
             elif isinstance(message, AllocateKV):
                 assert decoder is not None
-                runner = ModelRunner(decoder, message.num_blocks, message.block_size)
+                runner = ModelRunner(
+                    decoder,
+                    message.num_blocks,
+                    message.block_size,
+                    window_blocks=message.window_blocks,
+                )
             else:
                 assert runner is not None
                 runner.run(message)

@@ -35,6 +35,7 @@ from gapless.engine.speculation import Speculation
 from gapless.engine.structured import GrammarCompiler, GrammarError
 from gapless.kernels import DTYPES
 from gapless.kv.block_pool import BlockPool
+from gapless.kv.groups import KVGroup, LayerGroups, split_blocks
 from gapless.model.checkpoint import load_model, read_model_config
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import RankFailed, check_shardable
@@ -208,22 +209,34 @@ class Engine:
         mcfg, scheduling = decoder.config, config.scheduler
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         if runner is None:
-            bs = config.block_size
-            if config.kv_cache_tokens is not None:
-                num_blocks = -(-config.kv_cache_tokens // bs)
-            else:
-                # The draft's pool holds as many tokens as the target's: their share of the
-                # budget goes by their bytes per token.
-                per_token = sum(map(ModelRunner.kv_bytes_per_token, filter(None, [decoder, draft])))
-                per_block = per_token * bs
-                num_blocks = int(config.kv_memory_gib * 2**30) // per_block
-                # No point holding more than every running sequence at full context.
-                num_blocks = min(num_blocks, scheduling.max_num_seqs * -(-self.max_model_len // bs))
-            runner = ModelRunner(decoder, num_blocks, bs, vision and vision.encoder)
+            # The layers grouped by window, each group's share of the budget by its bytes
+            # per token (kv/groups.py). The draft's pool holds as many tokens as the target's
+            # first group: its bytes count with that group's.
+            groups = LayerGroups.of(mcfg.layer_windows)
+            per_token = groups.bytes_per_token(ModelRunner.kv_bytes_per_layer_token(decoder))
+            if draft is not None:
+                per_token[0] += ModelRunner.kv_bytes_per_token(draft)
+            num_blocks, window_blocks = split_blocks(
+                groups,
+                config.block_size,
+                per_token,
+                scheduling.max_num_seqs,
+                scheduling.max_step_tokens(config.target_itl_ms is not None),
+                self.max_model_len,
+                config.kv_cache_tokens,
+                int(config.kv_memory_gib * 2**30),
+            )
+            runner = ModelRunner(
+                decoder, num_blocks, config.block_size, vision and vision.encoder, window_blocks
+            )
         self.draft = None
         if draft is not None:
             self.draft = DraftModel(draft, runner.num_blocks, runner.block_size)
         self.pool = BlockPool(runner.num_blocks, runner.block_size)
+        window_groups = [
+            KVGroup(BlockPool(n, runner.block_size), w)
+            for n, w in zip(runner.window_blocks, runner.groups.windows[1:], strict=True)
+        ]
         if mcfg.max_window is None:
             # A sequence longer than the pool could be preempted and never fit again.
             self.max_model_len = min(
@@ -244,7 +257,7 @@ class Engine:
             )
             budget = self.cost_model.prefill_budget
         self.scheduler = Scheduler(
-            scheduling, self.pool, budget, mcfg.max_window, self.max_model_len
+            scheduling, self.pool, budget, mcfg.max_window, self.max_model_len, window_groups
         )
         self.eos_ids = set(tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, mcfg.vocab_size, sorted(self.eos_ids))
@@ -303,7 +316,9 @@ class Engine:
             model = load_model(path, config.dtype, parallel.device, parallel, *quantize)
             engine = cls(*model, config)
             runner = engine.runner
-            parallel.broadcast(distributed.AllocateKV(runner.num_blocks, runner.block_size))
+            parallel.broadcast(
+                distributed.AllocateKV(runner.num_blocks, runner.block_size, runner.window_blocks)
+            )
         except BaseException:
             distributed.abort()
             raise

@@ -64,6 +64,9 @@ class Request:
     arrival_step: int = 0  # the scheduler's step count when it was queued, for aging
     num_computed: int = 0  # leading tokens (prompt, then output) whose K/V is in the cache
     block_table: list[int] = field(default_factory=list)  # -1: released, outside the window
+    # A hybrid model's: the block table of each sliding-window KV group (kv/groups.py) but
+    # the first, whose is block_table.
+    window_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full computed blocks
     num_registered: int = 0  # blocks of block_table already offered to the prefix cache
     cached_prompt_tokens: int = 0

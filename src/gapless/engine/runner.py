@@ -10,7 +10,8 @@ import torch
 
 from gapless.engine.request import Request
 from gapless.engine.scheduler import ScheduledChunk
-from gapless.kernels import AttentionLayout, Span
+from gapless.kernels import AttentionLayout, AttentionPlan, Span
+from gapless.kv.groups import LayerGroups, first_needed_block
 from gapless.model.decoder import BatchInput, Decoder
 from gapless.model.parallel import RankFailed
 from gapless.model.vision import MediaRegion, VisionEncoder, chunk_embeds, mrope_slice
@@ -39,6 +40,9 @@ class ChunkInput:
     # The images in the chunk whose tokens attend to each other both ways, as position ranges
     # (first, end); the scheduler ends each within its chunk (Span.bidirectional).
     bidirectional: tuple[tuple[int, int], ...] = ()
+    # The sequence's blocks in each sliding-window KV group of a runner that groups its layers
+    # (kv/groups.py), as block_table; -1 where the window has passed.
+    window_tables: tuple[list[int], ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -62,23 +66,40 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         encoder: VisionEncoder | None = None,
+        window_blocks: tuple[int, ...] = (),
     ) -> None:
+        """window_blocks: the blocks of each sliding-window KV group but the first, for a
+        runner that keeps a hybrid model's layers in groups (kv/groups.py; the scheduler's
+        window_groups); num_blocks are then the first group's. Empty: every layer keeps its
+        K/V in num_blocks blocks of one block table."""
         cfg = decoder.config
         self.decoder = decoder
         self.encoder = encoder  # a vision-language model's: encodes a prompt's images
         self.kernels = decoder.kernels
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.attention_layout = AttentionLayout(
-            block_size,
-            tuple(cfg.layer_windows),
-            cfg.head_dim,
-            cfg.num_heads // cfg.num_kv_heads,
-            decoder.device,
-        )
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.window_blocks = window_blocks
+        grouped = bool(window_blocks)
+        self.groups = LayerGroups((cfg.max_window,), (tuple(range(cfg.num_layers)),))
+        if grouped:
+            self.groups = LayerGroups.of(cfg.layer_windows)
+        if len(self.groups.layers) != 1 + len(window_blocks):
+            raise ValueError(
+                f"the model has {len(self.groups.layers) - 1} sliding-window KV groups,"
+                f" window_blocks {len(window_blocks)}"
+            )
+        windows = [(w,) for w in self.groups.windows] if grouped else [tuple(cfg.layer_windows)]
+        head_group = cfg.num_heads // cfg.num_kv_heads
+        self.layouts = [  # each KV group's
+            AttentionLayout(block_size, w, cfg.head_dim, head_group, decoder.device)
+            for w in windows
+        ]
         self._kv_memory: list[mmap.mmap] = []  # the CPU cache's pages (see _zeroed)
-        self.kv_cache = [(self._zeroed(shape), self._zeroed(shape)) for _ in range(cfg.num_layers)]
+        caches = {}
+        for blocks, layers in zip((num_blocks, *window_blocks), self.groups.layers, strict=True):
+            shape = (blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+            caches |= {layer: (self._zeroed(shape), self._zeroed(shape)) for layer in layers}
+        self.kv_cache = [caches[layer] for layer in range(cfg.num_layers)]
 
     def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zeroed tensor for the KV cache (zeroed, not empty: padded attention reads masked
@@ -97,17 +118,26 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_token(decoder: Decoder) -> int:
+        return decoder.config.num_layers * ModelRunner.kv_bytes_per_layer_token(decoder)
+
+    @staticmethod
+    def kv_bytes_per_layer_token(decoder: Decoder) -> int:
         cfg = decoder.config
-        return (
-            2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * decoder.kernels.kv_dtype.itemsize
-        )
+        return 2 * cfg.num_kv_heads * cfg.head_dim * decoder.kernels.kv_dtype.itemsize
 
     def run_largest_step(self, num_tokens: int, context: int) -> None:
         """Runs one throwaway chunk of num_tokens ending at position context, then zeroes the
         cache it wrote. With context the longest a sequence gets, this is the step with the
         most activations and the widest attention masks."""
-        table = list(range(-(-context // self.block_size)))
-        self.run([ChunkInput([0] * num_tokens, context - num_tokens, table, False)])
+        bs, start = self.block_size, context - num_tokens
+        table, *window_tables = [
+            [-1] * (first := first_needed_block(start, window, bs))
+            + list(range(-(-context // bs) - first))
+            for window in self.groups.windows[: 1 + len(self.window_blocks)]
+        ]
+        self.run(
+            [ChunkInput([0] * num_tokens, start, table, False, window_tables=(*window_tables,))]
+        )
         if self._kv_memory:  # back to untouched zero pages, resident no more
             for memory in self._kv_memory:
                 memory.madvise(mmap.MADV_DONTNEED)
@@ -116,14 +146,17 @@ class ModelRunner:
             keys.zero_()
             values.zero_()
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies the K/V of block src into block dst, for each (src, dst)."""
-        if not pairs:
-            return
-        src, dst = (torch.tensor(p, device=self.decoder.device) for p in zip(*pairs, strict=True))
-        for keys, values in self.kv_cache:
-            keys[dst] = keys[src]
-            values[dst] = values[src]
+    def copy_blocks(self, pairs: list[list[tuple[int, int]]]) -> None:
+        """Copies the K/V of block src into block dst, for each (src, dst) of each KV group."""
+        for group_pairs, layers in zip(pairs, self.groups.layers, strict=False):
+            if not group_pairs:
+                continue
+            dev = self.decoder.device
+            src, dst = (torch.tensor(p, device=dev) for p in zip(*group_pairs, strict=True))
+            for layer in layers:
+                keys, values = self.kv_cache[layer]
+                keys[dst] = keys[src]
+                values[dst] = values[src]
 
     def execute(self, chunks: list[ScheduledChunk], all_logits: set[int]) -> list[torch.Tensor]:
         """Runs the chunks in one forward pass.
@@ -172,7 +205,8 @@ class ModelRunner:
     def _input(self, chunk: ScheduledChunk, all_logits: bool) -> ChunkInput:
         req, start = chunk.request, chunk.request.num_computed
         end = start + chunk.num_tokens
-        table = req.block_table[: -(-end // self.block_size)]
+        blocks = -(-end // self.block_size)
+        table = req.block_table[:blocks]
         hidden = None
         if req.pooling is not None:
             hidden = "sum" if req.pooling == "mean" else "last"
@@ -194,6 +228,7 @@ class ModelRunner:
             self._image_embeds(req, start, end),
             rope,
             whole,
+            tuple(t[:blocks] for t in req.window_tables),
         )
 
     @torch.inference_mode()
@@ -214,13 +249,21 @@ class ModelRunner:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def _group_inputs(
+        self, slots: list[int], spans: list[Span], layout: AttentionLayout
+    ) -> tuple[torch.Tensor, list[AttentionPlan]]:
+        """A KV group's write slots and attention plans."""
+        dev = self.decoder.device
+        return torch.tensor(slots, device=dev), self.kernels.plan_attention(layout, spans)
+
     def _build(self, inputs: list[ChunkInput]) -> BatchInput:
         token_ids: list[int] = []
         positions: list[int] = []
-        write_slots: list[int] = []
+        groups = len(self.layouts)
+        write_slots: list[list[int]] = [[] for _ in range(groups)]  # per KV group
         logit_rows: list[int] = []
         hidden_rows: list[int] = []
-        spans: list[Span] = []
+        spans: list[list[Span]] = [[] for _ in range(groups)]
         embed_rows: list[torch.Tensor] = []
         embeds: list[torch.Tensor] = []
         mrope = any(chunk.rope_positions is not None for chunk in inputs)
@@ -238,23 +281,30 @@ class ModelRunner:
                 )
             token_ids += chunk.token_ids
             positions += range(start, start + n)
-            write_slots += self._slots(chunk.block_table, start, start + n)
             logit_rows += range(row, row + n) if chunk.all_logits else [row + n - 1]
             hidden_rows += range(row + n - chunk.num_hidden_rows, row + n)
-            if chunk.decodes:
-                bs = self.block_size
-                spans += [
-                    Span(row + i, start + i, 1, chunk.block_table[: (start + i) // bs + 1])
-                    for i in range(n)
-                ]
-            else:
-                spans.append(Span(row, start, n, chunk.block_table, chunk.bidirectional))
+            tables = (chunk.block_table, *chunk.window_tables)
+            for table, slots, group_spans in zip(tables, write_slots, spans, strict=True):
+                slots += self._slots(table, start, start + n)
+                if chunk.decodes:
+                    bs = self.block_size
+                    group_spans += [
+                        Span(row + i, start + i, 1, table[: (start + i) // bs + 1])
+                        for i in range(n)
+                    ]
+                else:
+                    group_spans.append(Span(row, start, n, table, chunk.bidirectional))
         dev = self.decoder.device
+        by_group = list(map(self._group_inputs, write_slots, spans, self.layouts))
         return BatchInput(
             token_ids=torch.tensor(token_ids, device=dev),
             positions=torch.tensor(positions, device=dev),
-            write_slots=torch.tensor(write_slots, device=dev),
-            attention=self.kernels.plan_attention(self.attention_layout, spans),
+            write_slots=by_group[0][0],
+            attention=by_group[0][1],
+            windows={
+                layout.layer_windows[0]: group
+                for layout, group in zip(self.layouts[1:], by_group[1:], strict=True)
+            },
             logit_rows=torch.tensor(logit_rows, device=dev),
             hidden_rows=torch.tensor(hidden_rows, device=dev) if hidden_rows else None,
             embeds=(torch.cat(embed_rows).to(dev), torch.cat(embeds)) if embeds else None,

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from gapless.engine.options import check, option
 from gapless.engine.request import Request, RequestState
 from gapless.kv.block_pool import BlockPool
-from gapless.kv.prefix_cache import block_hashes, match_prefix
+from gapless.kv.groups import KVGroup, first_needed_block
+from gapless.kv.prefix_cache import block_hashes
 
 # Rows of decodes and proposed tokens a step holds at most. The GGUF block kernels multiply up
 # to 16 rows on their integer path (BlockLinear's gemv_max_rows); a 17th row sends the step
@@ -128,6 +129,13 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         check(self)
 
+    def max_step_tokens(self, latency_target: bool) -> int:
+        """The most tokens a step of chunked prefill holds: a prompt chunk while nobody
+        decodes, or every running request's decode beside a busy chunk (as large as an idle
+        one under a latency target)."""
+        busy = self.idle_prefill_chunk if latency_target else self.prefill_chunk
+        return max(self.idle_prefill_chunk, self.max_num_seqs - 1 + busy)
+
 
 class Scheduler:
     def __init__(
@@ -137,13 +145,17 @@ class Scheduler:
         prefill_budget: Callable[[list[int], int], int] | None = None,
         window: int | None = None,
         max_model_len: int | None = None,
+        window_groups: list[KVGroup] | None = None,
     ) -> None:
+        """`pool` and `window`: KV group 0's (kv/groups.py), whose blocks are each request's
+        block_table; `window_groups`: the sliding-window groups of a hybrid model, whose blocks
+        are its window_tables."""
         self.config = config
         self.policy = PREFILL_POLICIES[config.prefill_policy]
         self.pool = pool
-        # The widest attention window over all layers (None: full attention): blocks every
-        # layer's window has passed are released.
-        self.window = window
+        # Every KV group with its window (None: full attention): blocks a group's window has
+        # passed are released.
+        self.groups = [KVGroup(pool, window), *(window_groups or [])]
         self.max_model_len = max_model_len  # proposals never reach past it
         # A latency target replaces the static chunk budget when decodes run. It is given the
         # decodes' context lengths and where the first prompt chunk starts.
@@ -158,11 +170,7 @@ class Scheduler:
 
     @property
     def max_step_tokens(self) -> int:
-        """The most tokens a step of chunked prefill holds: a prompt chunk while nobody
-        decodes, or every running request's decode beside a busy chunk."""
-        cfg = self.config
-        busy = cfg.idle_prefill_chunk if self.prefill_budget else cfg.prefill_chunk
-        return max(cfg.idle_prefill_chunk, cfg.max_num_seqs - 1 + busy)
+        return self.config.max_step_tokens(self.prefill_budget is not None)
 
     def add(self, request: Request) -> None:
         request.arrival_step = self.steps
@@ -267,17 +275,21 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs:
             return False
         bs = self.pool.block_size
+        hashes: list[int] = []
         if self.config.enable_prefix_cache and not request.reads_every_prompt_row:
             # Recompute at least the last token: its logits pick the first output token (an
             # embedding pooled from the last token reads its hidden state).
             hashes = block_hashes(request.hash_tokens(0, request.num_tokens), bs)
-            cached = match_prefix(self.pool, hashes, (request.num_tokens - 1) // bs)
-        else:
-            hashes, cached = [], []
-        request.block_table = cached
-        request.block_hashes = hashes[: len(cached)]
-        request.num_registered = len(cached)
-        request.num_computed = len(cached) * bs
+            hashes = hashes[: self._reusable(hashes[: (request.num_tokens - 1) // bs])]
+        cached = len(hashes)
+        tables = []
+        for group in self.groups:  # each claims the blocks the next position reads
+            first = first_needed_block(cached * bs, group.window, bs)
+            tables.append([-1] * first + [group.pool.lookup(h) for h in hashes[first:]])
+        request.block_table, *request.window_tables = tables
+        request.block_hashes = hashes
+        request.num_registered = cached
+        request.num_computed = cached * bs
         self._drop_outside_window(request)
         if not self._reserve(request, 1 if not request.whole_prefill else request.num_uncomputed):
             self._release_blocks(request)
@@ -291,6 +303,20 @@ class Scheduler:
         self._start(request)
         return True
 
+    def _reusable(self, hashes: list[int]) -> int:
+        """How many leading blocks of these prefix hashes the cache can serve: group 0 holds
+        them all, and each sliding group the ones the first position after them reads."""
+        bs, first, *sliding = self.pool.block_size, *self.groups
+        n = 0
+        while n < len(hashes) and first.pool.holds(hashes[n]):
+            n += 1
+        while n and not all(
+            all(g.pool.holds(h) for h in hashes[first_needed_block(n * bs, g.window, bs) : n])
+            for g in sliding
+        ):
+            n -= 1
+        return n
+
     def _start(self, request: Request) -> None:
         self.running.append(request)
         request.state = RequestState.PREFILLING
@@ -301,30 +327,32 @@ class Scheduler:
 
     def fork(
         self, parent: Request, children: list[Request]
-    ) -> tuple[list[Request], list[tuple[int, int]]]:
+    ) -> tuple[list[Request], list[list[tuple[int, int]]]]:
         """Starts the children on the parent's computed prompt: its full KV blocks shared by
         reference, its partly filled last block copied (their next tokens differ). A child
         that does not fit now (sequence cap, no free block) waits as an ordinary request.
 
-        Returns the forked children, which sample from the parent's last logits, and the
-        (source, destination) blocks whose K/V the runner must copy."""
+        Returns the forked children, which sample from the parent's last logits, and for each
+        KV group the (source, destination) blocks whose K/V the runner must copy."""
         bs = self.pool.block_size
         full, partial = divmod(parent.num_computed, bs)
-        shared = [b for b in parent.block_table[:full] if b >= 0]
         forked: list[Request] = []
-        copies: list[tuple[int, int]] = []
+        copies: list[list[tuple[int, int]]] = [[] for _ in self.groups]
         for child in children:
             if len(self.running) >= self.config.max_num_seqs or (
-                partial and not self.pool.num_available
+                partial and not all(g.pool.num_available for g in self.groups)
             ):
                 self.add(child)
                 continue
-            self.pool.share(shared)
-            child.block_table = parent.block_table[:full]
-            if partial:
-                [own] = self.pool.allocate(1)
-                copies.append((parent.block_table[full], own))
-                child.block_table.append(own)
+            tables = []
+            for group, table, pairs in zip(self.groups, self._tables(parent), copies, strict=True):
+                group.pool.share([b for b in table[:full] if b >= 0])
+                tables.append(table[:full])
+                if partial:
+                    [own] = group.pool.allocate(1)
+                    pairs.append((table[full], own))
+                    tables[-1].append(own)
+            child.block_table, *child.window_tables = tables
             child.num_computed = parent.num_computed
             child.block_hashes = parent.block_hashes[:full]
             child.num_registered = min(parent.num_registered, full)
@@ -333,15 +361,20 @@ class Scheduler:
             forked.append(child)
         return forked, copies
 
+    def _tables(self, request: Request) -> list[list[int]]:
+        """The request's block table in each KV group (empty ones before it is admitted)."""
+        return [request.block_table, *(request.window_tables or [[] for _ in self.groups[1:]])]
+
     def _reserve(self, request: Request, n: int) -> bool:
-        """Makes room in the request's block table for its next n tokens."""
+        """Makes room in the request's block tables for its next n tokens."""
         self._drop_outside_window(request)
         need = -(-(request.num_computed + n) // self.pool.block_size) - len(request.block_table)
         if need <= 0:
             return True
-        if need > self.pool.num_available:
+        if any(need > g.pool.num_available for g in self.groups):
             return False
-        request.block_table += self.pool.allocate(need)
+        for group, table in zip(self.groups, self._tables(request), strict=True):
+            table += group.pool.allocate(need)
         return True
 
     def _fit(self, request: Request, n: int) -> int:
@@ -366,27 +399,28 @@ class Scheduler:
         return n
 
     def _room(self, request: Request) -> int:
-        """How many more tokens the request's blocks and the pool's free ones can hold."""
+        """How many more tokens the request's blocks and the pools' free ones can hold."""
         spare = len(request.block_table) * self.pool.block_size - request.num_computed
-        return spare + self.pool.num_available * self.pool.block_size
+        available = min(g.pool.num_available for g in self.groups)
+        return spare + available * self.pool.block_size
 
     def _drop_outside_window(self, request: Request) -> None:
-        """Releases blocks that every layer's window has moved past (the rotating cache)."""
-        window = self.window
-        if window is None:
-            return
-        first_needed = max(0, request.num_computed - window + 1) // self.pool.block_size
-        table = request.block_table
-        stale = [b for b in table[:first_needed] if b >= 0]
-        if stale:
-            self.pool.release(stale)
-            table[:first_needed] = [-1] * first_needed
+        """Releases the blocks that a group's window has moved past (the rotating cache): none
+        is read by the query at num_computed, the first of the next chunk, or any later."""
+        for group, table in zip(self.groups, self._tables(request), strict=True):
+            first = first_needed_block(request.num_computed, group.window, self.pool.block_size)
+            stale = [b for b in table[:first] if b >= 0]
+            if stale:
+                group.pool.release(stale)
+                table[:first] = [-1] * first
 
     def _release_blocks(self, request: Request) -> None:
-        self.pool.release([b for b in request.block_table if b >= 0])
+        for group, table in zip(self.groups, self._tables(request), strict=True):
+            group.pool.release([b for b in table if b >= 0])
         if request.speculation is not None:
             request.speculation.release(request)
         request.block_table = []
+        request.window_tables = []
         request.block_hashes = []
         request.num_registered = 0
         request.image_embeds.clear()  # recomputed with the blocks, if the request runs again
@@ -397,8 +431,9 @@ class Scheduler:
         (whose K/V, past num_computed, is overwritten before anything reads it)."""
         self.register_computed_blocks(request)
         keep = -(-request.num_tokens // self.pool.block_size)
-        self.pool.release([b for b in request.block_table[keep:] if b >= 0])
-        del request.block_table[keep:]
+        for group, table in zip(self.groups, self._tables(request), strict=True):
+            group.pool.release([b for b in table[keep:] if b >= 0])
+            del table[keep:]
 
     def register_computed_blocks(self, request: Request) -> None:
         """Offers the request's newly full blocks to the prefix cache."""
@@ -412,7 +447,8 @@ class Scheduler:
         parent = request.block_hashes[-1] if done else 0
         tokens = request.hash_tokens(done * bs, full * bs)
         request.block_hashes += block_hashes(tokens, bs, parent)
-        for i in range(request.num_registered, full):
-            if request.block_table[i] >= 0:
-                self.pool.register(request.block_table[i], request.block_hashes[i])
+        for group, table in zip(self.groups, self._tables(request), strict=True):
+            for i in range(request.num_registered, full):
+                if table[i] >= 0:
+                    group.pool.register(table[i], request.block_hashes[i])
         request.num_registered = full

@@ -75,6 +75,10 @@ class BlockPool:
             assert self._refs[block] > 0, f"block {block} is not in use"
             self._refs[block] += 1
 
+    def holds(self, block_hash: int) -> bool:
+        """Whether a block holding this prefix hash is cached or in use."""
+        return block_hash in self._block_of
+
     def lookup(self, block_hash: int) -> int | None:
         """A cached block holding this prefix hash, now referenced by the caller; or None."""
         block = self._block_of.get(block_hash)

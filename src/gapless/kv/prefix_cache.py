@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gapless.kv.block_pool import BlockPool
-
 
 def block_hashes(
     token_ids: Sequence[int | tuple[str, int]], block_size: int, parent: int = 0
@@ -18,14 +16,3 @@ def block_hashes(
         parent = hash((parent, tuple(token_ids[start : start + block_size])))
         hashes.append(parent)
     return hashes
-
-
-def match_prefix(pool: BlockPool, hashes: Sequence[int], max_blocks: int) -> list[int]:
-    """Claims the longest run of cached blocks for these hashes, at most max_blocks."""
-    blocks = []
-    for h in hashes[:max_blocks]:
-        block = pool.lookup(h)
-        if block is None:
-            break
-        blocks.append(block)
-    return blocks

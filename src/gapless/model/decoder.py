@@ -34,6 +34,12 @@ class BatchInput:
     write_slots: torch.Tensor  # [T] KV-cache slot of each new token
     attention: list[AttentionPlan]  # how each part of the batch attends (kernels/plans.py)
     logit_rows: torch.Tensor  # rows whose logits are returned
+    # The write slots and plans of the layers with each of these windows, whose K/V lies in
+    # blocks of their own (a sliding-window KV group: kv/groups.py); other layers' are
+    # write_slots and attention.
+    windows: dict[int | None, tuple[torch.Tensor, list[AttentionPlan]]] = field(
+        default_factory=dict
+    )
     # Rows whose hidden states after the final norm forward also keeps, float32, in `hidden`
     # (embeddings); None: none.
     hidden_rows: torch.Tensor | None = None
@@ -143,9 +149,10 @@ class Step:
         then attends the queries q [T, H, D] (scaled by D ** -0.5) over it, within window;
         softcap: scores become softcap * tanh(scores / softcap) (Gemma 2); sinks [H]: a
         logit per head that joins the softmax's denominator (gpt-oss). Returns [T, H * D]."""
-        k, v = write_kv(k, v, *kv_cache, self.batch.write_slots)
-        plans, attention = self.batch.attention, self.kernels.attention
-        return attention(q, k, v, kv_cache, plans, window, softcap, sinks)
+        batch = self.batch
+        slots, plans = batch.windows.get(window, (batch.write_slots, batch.attention))
+        k, v = write_kv(k, v, *kv_cache, slots)
+        return self.kernels.attention(q, k, v, kv_cache, plans, window, softcap, sinks)
 
 
 class Layer(Protocol):
