@@ -234,6 +234,21 @@ def test_prefix_cache_shares_blocks_for_the_same_image_only(vlm) -> None:
     assert other == placed.start // 16 * 16  # only the text before it
 
 
+def test_under_a_latency_target_each_encode_is_timed_as_its_own_cost(vlm) -> None:
+    """With --target-itl-ms the tokens are the same, and the cost model is told each step's
+    encoded placeholder tokens: the two images, once each."""
+    path = vlm("llava")
+    ids, images = two_image_prompt(), IMAGES[:2]
+    want = run(engine_of(path, chunk=16), ids, images)
+    engine = engine_of(path, chunk=16, target_itl_ms=1000)
+    observed: list[float] = []
+    observe = engine.cost_model.observe
+    engine.cost_model.observe = lambda f, t: (observed.append(f[4]), observe(f, t))[1]
+    assert run(engine, ids, images) == want
+    placed = engine.admission.check_prompt(ids, images=[png(i) for i in images]).images
+    assert sorted(n for n in observed if n) == sorted(p.length for p in placed)
+
+
 def test_text_only_model_refuses_images(tmp_path: Path) -> None:
     from checkpoints import make_checkpoint
 
