@@ -145,7 +145,11 @@ class Block:
         q, k = rotate(q, *rotation), rotate(k, *rotation)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, N, head_dim]
         parts = zip(q.split(windows, 1), k.split(windows, 1), v.split(windows, 1), strict=True)
-        attn = torch.cat([F.scaled_dot_product_attention(*qkv) for qkv in parts], dim=1)
+        # 4-D: on the CPU a 3-D input takes SDPA's unfused math path, 3x slower at 4,000 keys.
+        attn = torch.cat(
+            [F.scaled_dot_product_attention(q[None], k[None], v[None])[0] for q, k, v in parts],
+            dim=1,
+        )
         x = x + self.proj(attn.transpose(0, 1).reshape(n, d))
         h = self.norm2(x)
         return x + self.down(self.up.times(h, F.silu(self.gate(h))))
