@@ -7,20 +7,24 @@ import random
 from gapless import Engine, EngineConfig, SamplingParams
 from gapless.engine.cost_model import CALIBRATION_WINDOW, StepCostModel, step_features
 
-TRUE = [0.02, 0.001, 2e-4, 3e-8]  # seconds: base, per decode, per prompt token, per pair
+# Seconds: base, per decode, per prompt token, per pair, per placeholder token of an image encoded.
+TRUE = [0.02, 0.001, 2e-4, 3e-8, 1e-3]
 
 
 def true_time(features: list[float]) -> float:
     return sum(c * f for c, f in zip(TRUE, features, strict=True))
 
 
-def trained_model(target_s: float) -> StepCostModel:
+def trained_model(target_s: float, encodes: bool = False) -> StepCostModel:
+    """Fitted on 200 random steps; with `encodes`, one in 50 of the chunk steps encodes an
+    image of 64 to 1,024 tokens."""
     model = StepCostModel(target_s, fallback_chunk=512)
     rng = random.Random(0)
     for _ in range(200):
         decodes = [rng.randint(10, 4000) for _ in range(rng.randint(0, 16))]
         chunks = [(rng.randint(16, 2048), rng.randint(0, 8000))] if rng.random() < 0.7 else []
-        features = step_features(decodes, chunks)
+        encoded = rng.randint(64, 1024) if encodes and chunks and rng.random() < 0.02 else 0
+        features = step_features(decodes, chunks, encoded)
         model.observe(features, true_time(features) * rng.uniform(0.97, 1.03))
     return model
 
@@ -86,3 +90,36 @@ def test_a_model_that_has_only_seen_decodes_keeps_the_static_chunk():
         model.observe(features, true_time(features))
     assert model.coef is not None
     assert model.prefill_budget([200] * 4, 0) == 512
+
+
+def test_an_encode_costs_the_prompt_tokens_that_take_as_long():
+    model = trained_model(target_s=0.15, encodes=True)
+    assert model._encode_steps >= 1  # the seed gives it a few to fit from
+    for decodes, start in [([100] * 4, 0), ([500], 2000)]:
+        budget = model.prefill_budget(decodes, start)
+        charge = model.encode_cost(40, start)
+        # The chunk left beside a 40-token image's encode (40 ms) keeps the step in the target,
+        # and is near the largest that does.
+        assert true_time(step_features(decodes, [(budget - charge, start)], 40)) <= 0.15 * 1.05
+        bigger = step_features(decodes, [(int((budget - charge) * 1.1) + 16, start)], 40)
+        assert true_time(bigger) > 0.15
+    # A prompt token later in the context costs more (its keys), so the same encode fewer.
+    assert model.encode_cost(40, 8000) < model.encode_cost(40, 0)
+
+
+def test_before_the_fit_has_seen_an_encode_it_costs_its_placeholder_tokens():
+    assert trained_model(target_s=0.15).encode_cost(300, 0) == 300
+    assert StepCostModel(0.15, fallback_chunk=512).encode_cost(300, 0) == 300
+
+
+def test_encodes_the_fit_mispredicts_do_not_shrink_later_chunks():
+    """Steps that encode are not calibrated on: encodes of equal images whose times vary
+    sixfold (the fit takes their mean) leave the budget of chunk steps as it was."""
+    model = trained_model(target_s=0.15)
+    decodes, start = [100] * 4, 2000
+    before = model.prefill_budget(decodes, start)
+    for i in range(CALIBRATION_WINDOW // 4):
+        features = step_features(decodes, [(100, start)], 500)
+        model.observe(features, true_time(features) * (3 if i % 2 else 0.5))
+    # (Refitted on them, the other coefficients move a little.)
+    assert model.prefill_budget(decodes, start) >= before * 0.98

@@ -3,10 +3,17 @@ gets, not how long they take."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+import torch
+
+from gapless.engine.admission import PromptImage
 from gapless.engine.request import Request, RequestState
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.scheduler import Scheduler, SchedulerConfig
 from gapless.kv.block_pool import BlockPool
+from gapless.model.images import PreparedImage
 
 
 class FakeCostModel:
@@ -97,3 +104,114 @@ def test_a_long_prompt_behind_a_stream_of_short_ones_gets_its_first_chunk_within
             break
     # Aging counts each waited step as 64 fewer prompt tokens: 4000 vs 48 meet within ~62 steps.
     assert step <= 4000 // 64 + 1
+
+
+# Images: what an encode takes of a step's prompt budget.
+
+
+def image_request(rid: str, text: list[int], image_tokens: list[int]) -> Request:
+    """text[i] prompt tokens, then an image of image_tokens[i] placeholders, for each i, then
+    8 tokens of text."""
+    ids: list[int] = []
+    images = []
+    for i, (n, length) in enumerate(zip(text, image_tokens, strict=True)):
+        ids += range(1, n + 1)
+        images.append(PromptImage(len(ids), length, PreparedImage(np.zeros(1)), f"image{i}"))
+        ids += [999] * length
+    ids += range(1, 9)
+    req = Request(rid, ids, SamplingParams(max_tokens=10_000), images=tuple(images))
+    return req
+
+
+def run_image_step(scheduler: Scheduler) -> dict[str, tuple[int, list[int]]]:
+    """run_step, and what each chunk encodes: the encoded images' embeddings are kept until
+    the prompt passes them, as the runner keeps them."""
+    chunks = {}
+    for chunk in scheduler.schedule():
+        req = chunk.request
+        for i in chunk.encodes:
+            req.image_embeds[i] = torch.zeros(1)
+        req.num_computed += chunk.num_tokens
+        req.drop_images_before(req.num_computed)
+        if req.num_uncomputed == 0:
+            req.state = RequestState.DECODING
+            req.output_ids.append(7)
+        chunks[req.request_id] = (chunk.num_tokens, chunk.encodes)
+    return chunks
+
+
+def static_scheduler(streams: int, **options) -> Scheduler:
+    """A scheduler without a latency target, `streams` requests decoding."""
+    config = SchedulerConfig(prefill_chunk=512, idle_prefill_chunk=512, **options)
+    scheduler = Scheduler(config, BlockPool(2048, 16))
+    for i in range(streams):
+        scheduler.add(request(f"s{i}", 8))
+    run_image_step(scheduler)
+    return scheduler
+
+
+def test_without_a_target_an_encode_takes_its_placeholder_tokens_of_the_budget():
+    scheduler = static_scheduler(streams=4)
+    scheduler.add(image_request("img", [100], [300]))
+    steps = run_image_step(scheduler)
+    assert steps["img"] == (512 - 300, [0])  # the text, and 112 of the image's tokens
+    assert all(steps[f"s{i}"] == (1, []) for i in range(4))
+    assert run_image_step(scheduler)["img"] == (196, [])  # the rest, encoded already
+
+
+def test_an_image_the_budget_cannot_afford_is_encoded_in_a_step_of_its_own():
+    scheduler = static_scheduler(streams=4)
+    req = image_request("img", [100], [1000])
+    scheduler.add(req)
+    # The text before it; then its encode (1,000 > 512) beside one of its tokens; then chunks.
+    assert run_image_step(scheduler)["img"] == (100, [])
+    assert run_image_step(scheduler)["img"] == (1, [0])
+    assert run_image_step(scheduler)["img"] == (512, [])
+    assert run_image_step(scheduler)["img"] == (487 + 8, [])  # the image's last, the text
+    assert req.state is RequestState.DECODING
+
+
+def test_a_second_prompt_in_the_step_encodes_only_what_the_budget_leaves_room_for():
+    scheduler = static_scheduler(streams=2, prefill_policy="fcfs")
+    scheduler.add(request("text", 200))
+    scheduler.add(image_request("img", [0], [400]))
+    scheduler.add(image_request("late", [0], [100]))
+    steps = run_image_step(scheduler)
+    # 312 left after the text: the image of 400 waits (it would be forced only as the step's
+    # first prompt chunk), and the one of 100 behind it is encoded.
+    assert steps["text"] == (200, [])
+    assert "img" not in steps
+    assert steps["late"] == (108, [0])
+    assert run_image_step(scheduler)["img"] == (112, [0])
+
+
+class FakeEncodeCost(FakeCostModel):
+    """FakeCostModel whose encodes cost `per_image_token` each of their placeholder tokens."""
+
+    def __init__(self, *costs: float, per_image_token: float) -> None:
+        super().__init__(*costs)
+        self.per_image_token = per_image_token
+
+    def encode_cost(self, image_tokens: int, prefill_start: int) -> int:
+        return math.ceil(self.per_image_token * image_tokens / self.per_token)
+
+
+def test_under_a_target_the_chunk_shrinks_by_the_encodes_predicted_time():
+    model = FakeEncodeCost(0.15, 0.01, 0.001, per_image_token=0.0002)
+    config = SchedulerConfig(min_prefill_chunk=64)
+    scheduler = Scheduler(
+        config, BlockPool(2048, 16), model.prefill_budget, encode_cost=model.encode_cost
+    )
+    for i in range(4):
+        scheduler.add(request(f"s{i}", 8))
+    run_image_step(scheduler)
+    scheduler.add(image_request("img", [20], [200]))
+    # 110 tokens fit beside the decodes; the encode takes 200 x 0.2 ms = 40 ms of them.
+    assert run_image_step(scheduler)["img"] == (110 - 40, [0])
+    while scheduler.running[-1].state is RequestState.PREFILLING:
+        assert run_image_step(scheduler)["img"][1] == []
+    # An encode longer than the whole target: a step of its own, beside one prompt token.
+    model.per_image_token = 0.001
+    scheduler.add(image_request("big", [0], [300]))
+    assert run_image_step(scheduler)["big"] == (1, [0])
+    assert run_image_step(scheduler)["big"] == (100, [])  # then what fits beside 5 decodes

@@ -1,6 +1,6 @@
 """Images through the engine (issue 28): a request's image tokens prefill in chunks like text,
-its encoder runs once per image in the step that first reaches it, and the tokens equal
-transformers' generate; chunks of 16 that cut the regions give the same tokens (Gemma 3's,
+its encoder runs once per image in a step whose budget it is charged against, and the tokens
+equal transformers' generate; chunks of 16 that cut the regions give the same tokens (Gemma 3's,
 whose tokens attend to each other both ways, are never cut: chunks end before them or run to
 their end); the prefix cache shares blocks only for the same image; cancelling frees blocks and
 embeddings; and each bad image is refused at admission with a message naming its limit."""
@@ -191,9 +191,11 @@ def test_cancel_during_prefill_frees_blocks_and_embeddings(vlm) -> None:
     request_id = engine.add_request(
         two_image_prompt(), SamplingParams(max_tokens=4), images=[png(IMAGES[0]), png(IMAGES[1])]
     )
-    engine.step()  # the first chunk reaches the first image: it is encoded
+    engine.step()  # the text before the first image: its encode does not fit beside it
     [req] = engine.scheduler.running
-    assert req.image_embeds
+    assert not req.image_embeds
+    engine.step()  # the encode, beside one of the image's tokens
+    assert list(req.image_embeds) == [0]
     engine.cancel(request_id)
     engine.step()
     assert not req.image_embeds
@@ -230,6 +232,21 @@ def test_prefix_cache_shares_blocks_for_the_same_image_only(vlm) -> None:
     assert first == 0
     assert same >= placed.end // 16 * 16  # the image's blocks served again
     assert other == placed.start // 16 * 16  # only the text before it
+
+
+def test_under_a_latency_target_each_encode_is_timed_as_its_own_cost(vlm) -> None:
+    """With --target-itl-ms the tokens are the same, and the cost model is told each step's
+    encoded placeholder tokens: the two images, once each."""
+    path = vlm("llava")
+    ids, images = two_image_prompt(), IMAGES[:2]
+    want = run(engine_of(path, chunk=16), ids, images)
+    engine = engine_of(path, chunk=16, target_itl_ms=1000)
+    observed: list[float] = []
+    observe = engine.cost_model.observe
+    engine.cost_model.observe = lambda f, t: (observed.append(f[4]), observe(f, t))[1]
+    assert run(engine, ids, images) == want
+    placed = engine.admission.check_prompt(ids, images=[png(i) for i in images]).images
+    assert sorted(n for n in observed if n) == sorted(p.length for p in placed)
 
 
 def test_text_only_model_refuses_images(tmp_path: Path) -> None:

@@ -1,18 +1,22 @@
 """An online model of step time, used to size prefill chunks for a latency target.
 
 A step's time is modelled as linear in the costs it is made of:
-    t = base + a * decodes + b * prefill_tokens + c * attention_pairs
+    t = base + a * decodes + b * prefill_tokens + c * attention_pairs + d * encoded_tokens
 where attention_pairs counts query-key pairs: each decode's context, plus each prompt
-chunk's tokens x the keys they see. (Separate terms for decode and prefill attention were
+chunk's tokens x the keys they see, and encoded_tokens counts the placeholder tokens of the
+images the step's vision encoder runs on (a vision-language model's; one family's tower does
+work in proportion to them: Qwen2.5-VL 4 patches a token, LLaVA one). (Separate terms for decode and prefill attention were
 collinear with the base cost in practice and overestimated decodes.) The coefficients are refitted by
 least squares on recent steps, so the model follows the machine it runs on, its load and its
 thread count. With `--target-itl-ms X`, each step with decodes gets the largest prefill budget
 whose predicted step time, times the model's recent underestimate, stays under X. How much a
-step may take below that is the scheduler's policy (scheduler.py).
+step may take below that is the scheduler's policy (scheduler.py), and so is what an image's
+encode takes of it: encode_cost gives the encode as the prompt tokens it costs as much as.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -29,14 +33,18 @@ CALIBRATION_QUANTILE = 0.9
 CALIBRATION_WINDOW = 64
 
 
-def step_features(decode_contexts: list[int], prefill_chunks: list[tuple[int, int]]) -> list[float]:
-    """Features of a step: decode contexts, and (tokens, tokens already computed) per chunk."""
+def step_features(
+    decode_contexts: list[int], prefill_chunks: list[tuple[int, int]], encoded_tokens: int = 0
+) -> list[float]:
+    """Features of a step: decode contexts, (tokens, tokens already computed) per chunk, and
+    the placeholder tokens of the images it encodes."""
     pairs = sum(decode_contexts) + sum(n * (start + n / 2) for n, start in prefill_chunks)
     return [
         1.0,
         float(len(decode_contexts)),
         float(sum(n for n, _ in prefill_chunks)),
         float(pairs),
+        float(encoded_tokens),
     ]
 
 
@@ -51,6 +59,9 @@ class StepCostModel:
         # Steps with prompt chunks in the fitted window: without enough of them the fit knows
         # nothing of a chunk's cost (a server that has only decoded would allow any chunk).
         self._prefill_steps = 0
+        # Steps that encoded an image, in the fitted window: without one the fit knows nothing
+        # of an encode's cost (its coefficient is the ridge's 0).
+        self._encode_steps = 0
         self._ratios: deque[float] = deque(maxlen=CALIBRATION_WINDOW)
 
     @property
@@ -58,7 +69,9 @@ class StepCostModel:
         return self.coef is not None and self._prefill_steps >= MIN_SAMPLES
 
     def observe(self, features: list[float], seconds: float) -> None:
-        if self.trained and features[2] > 0:
+        # Calibrated on chunk steps that encode nothing: an encode's cost is fitted from the
+        # few steps that had one, and its error would shrink every chunk after it.
+        if self.trained and features[2] > 0 and not features[4]:
             self._ratios.append(seconds / max(self.predict(features), 1e-9))
         self._samples.append((features, seconds))
         self._since_fit += 1
@@ -69,6 +82,7 @@ class StepCostModel:
         x = torch.tensor([f for f, _ in self._samples], dtype=torch.float64)
         y = torch.tensor([t for _, t in self._samples], dtype=torch.float64)
         self._prefill_steps = int((x[:, 2] > 0).sum())
+        self._encode_steps = int((x[:, 4] > 0).sum())
         # Scale columns so the tiny per-key and large per-step costs are fitted alike; a light
         # ridge keeps unexcited columns (e.g. no prefill seen yet) from exploding.
         scale = x.abs().amax(0).clamp(min=1e-9)
@@ -106,3 +120,18 @@ class StepCostModel:
             else:
                 hi = mid - 1
         return lo
+
+    def encode_cost(self, encoded_tokens: int, prefill_start: int) -> int:
+        """The prompt tokens at prefill_start that take as long as encoding images of
+        encoded_tokens placeholder tokens: what the scheduler charges an encode against the
+        step's prompt budget. Until the fit has seen an encode (and a chunk), the encode counts
+        as its placeholder tokens, the rule without a latency target."""
+        if not self.trained or not self._encode_steps:
+            return encoded_tokens
+        assert self.coef is not None
+        # A prompt token's cost at the chunk's start: its own, and its keys'.
+        per_token = float(self.coef[2] + self.coef[3] * prefill_start)
+        seconds = float(self.coef[4]) * encoded_tokens
+        if per_token <= 0:
+            return self.max_chunk if seconds > 0 else 0
+        return math.ceil(seconds / per_token)

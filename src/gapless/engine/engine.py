@@ -248,7 +248,7 @@ class Engine:
         if chunked and not runner.supports_chunked_prefill:
             log.warning("this model runner cannot prefill in chunks: prefilling every prompt whole")
         self.cost_model: StepCostModel | None = None
-        budget = None
+        budget = encode_cost = None
         if config.target_itl_ms is not None:
             self.cost_model = StepCostModel(
                 config.target_itl_ms / 1000,
@@ -256,8 +256,15 @@ class Engine:
                 scheduling.idle_prefill_chunk,
             )
             budget = self.cost_model.prefill_budget
+            encode_cost = self.cost_model.encode_cost
         self.scheduler = Scheduler(
-            scheduling, self.pool, budget, mcfg.max_window, self.max_model_len, window_groups
+            scheduling,
+            self.pool,
+            budget,
+            mcfg.max_window,
+            self.max_model_len,
+            window_groups,
+            encode_cost,
         )
         self.eos_ids = set(tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, mcfg.vocab_size, sorted(self.eos_ids))
@@ -517,6 +524,7 @@ class Engine:
         features = step_features(
             [c.request.num_computed + 1 + i for c in decodes for i in range(c.num_tokens)],
             [(c.num_tokens, c.request.num_computed) for c in chunks if not c.request.is_decoding],
+            sum(c.request.images[i].length for c in chunks for i in c.encodes),
         )
         runs: list[tuple[Request, torch.Tensor, list[int]]] = []
         for chunk, rows in self._forward(events, chunks):

@@ -225,7 +225,7 @@ class ModelRunner:
             all_logits or verify,
             hidden,
             verify,
-            self._image_embeds(req, start, end),
+            self._image_embeds(req, chunk.encodes, start, end),
             rope,
             whole,
             tuple(t[:blocks] for t in req.window_tables),
@@ -233,15 +233,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _image_embeds(
-        self, req: Request, start: int, end: int
+        self, req: Request, encodes: list[int], start: int, end: int
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The chunk's slices of the images it reaches; an image not yet encoded is encoded
-        here, once: its embeddings stay on the request until its prompt passes the image."""
+        """Encodes the images the scheduler put in this step (`encodes`), once: their
+        embeddings stay on the request until its prompt passes them. Returns the chunk's
+        slices of the images it reaches, each encoded in this step or before."""
+        for i in encodes:
+            # Already there when the engine reruns a failed step's chunks one at a time.
+            if i not in req.image_embeds:
+                req.image_embeds[i] = self.encoder.encode(req.images[i].image)
         regions = []
         for i, image in enumerate(req.images):
             if image.start < end and start < image.end:
-                if i not in req.image_embeds:
-                    req.image_embeds[i] = self.encoder.encode(image.image)
                 regions.append(MediaRegion(image.start, req.image_embeds[i], image.key))
         return chunk_embeds(regions, start, end)
 

@@ -12,6 +12,13 @@ Each step is one hybrid batch:
 3. Chunks go to prefilling and waiting requests in the order of the prefill policy (a
    PrefillPolicy: `fcfs` by arrival, or `shortest` remaining prefill first, aged by steps
    waited so that no prompt starves). Several prompts may share the budget. Waiting requests are admitted while `max_num_seqs` and free KV allow.
+   An image the chunk reaches unencoded is encoded in the step, before its forward, and its
+   encode is charged against the budget as prompt tokens (`encode_cost`: the cost model's
+   estimate of its time in prompt tokens under a latency target, else its placeholder
+   tokens): the chunk shrinks to what the encode leaves, or stops before the image so that
+   the next step encodes it. A chunk that starts at an image its budget cannot afford still
+   encodes it, beside one prompt token, if it is the step's first prompt chunk: an
+   encode is never cut, so such a step exceeds the budget by the encode.
 4. What the prompts leave of the budget goes to speculation (speculation.py): decodes, in
    admission order, get proposed tokens to verify in the same forward, at most VERIFY_ROWS
    rows of decodes and proposals in all, and only into free KV (no one is preempted for a
@@ -24,7 +31,8 @@ An image whose tokens attend to each other both ways (Gemma 3) is never cut by a
 earlier tokens attend to its later ones, which must be in the same forward. A chunk that
 would end inside one ends before it instead; when nothing would be left (the chunk starts at
 the image, or inside it after a prefix-cache hit), it runs to the image's end, past the
-budget, if it is the step's first prompt chunk, and else waits for the next step.
+budget, if it is the step's first prompt chunk, and else waits for the next step. (So the one
+prompt token beside an encode the budget cannot afford becomes, for such an image, all of it.)
 
 A request for n choices prefills its prompt once; the other n - 1 then fork from it (fork()).
 """
@@ -54,6 +62,8 @@ class ScheduledChunk:
     # A decode's proposed tokens, verified after its last sampled token (num_tokens counts
     # them).
     draft: list[int] = field(default_factory=list)
+    # Indexes into request.images of the images encoded in this step, before its forward.
+    encodes: list[int] = field(default_factory=list)
 
 
 class PrefillPolicy:
@@ -146,6 +156,7 @@ class Scheduler:
         window: int | None = None,
         max_model_len: int | None = None,
         window_groups: list[KVGroup] | None = None,
+        encode_cost: Callable[[int, int], int] | None = None,
     ) -> None:
         """`pool` and `window`: KV group 0's (kv/groups.py), whose blocks are each request's
         block_table; `window_groups`: the sliding-window groups of a hybrid model, whose blocks
@@ -160,6 +171,9 @@ class Scheduler:
         # A latency target replaces the static chunk budget when decodes run. It is given the
         # decodes' context lengths and where the first prompt chunk starts.
         self.prefill_budget = prefill_budget
+        # An encode's charge against the prompt budget, given its placeholder tokens and where
+        # the chunk starts (None: its placeholder tokens).
+        self.encode_cost = encode_cost
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admitted: prefilling or decoding
         self._admissions = 0
@@ -213,19 +227,50 @@ class Scheduler:
                 continue
             remaining = request.num_uncomputed
             n = remaining if request.whole_prefill else min(remaining, budget)
-            n = self._keep_images_whole(request, n, extend=len(chunks) == len(decodes))
+            first = len(chunks) == len(decodes)  # no other prompt chunk in the step yet
+            n, encodes, charge = self._encodes(request, n, budget, first)
+            n = self._keep_images_whole(request, n, extend=first)
             if n == 0:
                 continue
             if not self._reserve(request, n):
-                n = self._fit(request, n)
+                n = self._fit(request, n)  # a shrunk chunk encodes its images ahead of it
                 if n == 0:
                     continue
-            chunks.append(ScheduledChunk(request, n))
-            budget -= n
-            left -= n
+            chunks.append(ScheduledChunk(request, n, encodes=encodes))
+            budget -= n + charge
+            left -= n + charge
         if speculating:
             self._speculate(decodes, min(left, VERIFY_ROWS - len(decodes)))
         return chunks
+
+    def _encodes(
+        self, request: Request, n: int, budget: int, first: bool
+    ) -> tuple[int, list[int], int]:
+        """The request's next chunk of at most n tokens beside the encodes of the images it
+        reaches unencoded, within `budget` prompt tokens and their charge: (its tokens, the
+        images, their charge). `first`: no other prompt chunk is in the step yet."""
+        start = request.num_computed
+        images: list[int] = []
+        charge = 0
+        for i, image in enumerate(request.images):
+            offset = image.start - start
+            if i in request.image_embeds or image.end <= start:
+                continue
+            if offset >= n:
+                break
+            cost = (
+                image.length if self.encode_cost is None else self.encode_cost(image.length, start)
+            )
+            if not request.whole_prefill and max(offset, 0) + 1 + charge + cost > budget:
+                if offset > 0 or images or not first:
+                    return max(offset, 0), images, charge  # the encode waits for a step of its own
+                # Starting at the image: encoding it is the only way on.
+                return 1, [i], cost
+            charge += cost
+            images.append(i)
+            if not request.whole_prefill:
+                n = min(n, budget - charge)
+        return n, images, charge
 
     def _speculate(self, decodes: list[ScheduledChunk], budget: int) -> None:
         """Gives decodes, in admission order, tokens their proposers propose, while `budget`

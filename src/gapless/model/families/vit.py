@@ -134,7 +134,8 @@ class Layer:
         """x [N, hidden]: one image's patches, which all attend to each other."""
         n, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(n, 3, self.num_heads, -1).permute(1, 2, 0, 3)
-        attn = F.scaled_dot_product_attention(q, k, v)  # [heads, N, head_dim]
+        # 4-D: on the CPU a 3-D input takes SDPA's unfused math path, 3x slower at 4,000 keys.
+        attn = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]  # [heads, N, dim]
         x = x + self.out(attn.transpose(0, 1).reshape(n, d))
         return x + self.fc2(self.act(self.fc1(self.norm2(x))))
 
