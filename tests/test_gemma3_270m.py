@@ -9,7 +9,8 @@ to 8 bits per block in decode rows and smaller chunks (llama.cpp's Q8_0/Q8_K act
 Through 18 layers that moved a prompt token's log-probability by up to 0.26 here, 0.01-0.1
 on average over a prompt (the 6-token prompt, all 8-bit rows, most). Dequantized at load
 (GAPLESS_KERNELS=fallback) the run was exact to 2.4e-5. The greedy continuation follows
-transformers' for 15 tokens, then takes a near-tie the other way.
+transformers' until a near-tie (11-15 tokens, as the step ops' summation order moved it),
+which it may take the other way.
 """
 
 from __future__ import annotations
@@ -88,9 +89,24 @@ def test_greedy_continuation_is_transformers_and_english(llm, hf):
     out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0]
     ids = out.prompt_token_ids
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0]
-    assert out.token_ids[:15] == ref[len(ids) : len(ids) + 15].tolist()
-    print(repr(prompt + out.text))
+        ref = hf.generate(
+            torch.tensor([ids]),
+            max_new_tokens=24,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    want = ref.sequences[0, len(ids) :].tolist()
+    # Equal until a near-tie: the first token that differs must be one where transformers'
+    # two best differ by less than the block activations' error (MAX_ERROR), and then the
+    # sequences go their own ways.
+    differ = next(
+        (i for i, (a, b) in enumerate(zip(out.token_ids, want, strict=False)) if a != b), None
+    )
+    if differ is not None:
+        best, second = ref.scores[differ][0].log_softmax(-1).topk(2).values.tolist()
+        assert best - second < MAX_ERROR, (differ, best, second)
+    print(repr(prompt + out.text), differ)
     # The base model's answer: " the capital of the country of France. It is the largest city
     # in France." (transformers' too, then it goes on otherwise; no "Paris").
     assert out.text.startswith(" the capital of the country of France.")
