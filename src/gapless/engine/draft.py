@@ -15,8 +15,6 @@ num_computed, which after a verification covers the accepted proposals and nothi
 
 from __future__ import annotations
 
-import torch
-
 from gapless.engine.request import Request
 from gapless.engine.runner import ChunkInput, ModelRunner
 from gapless.engine.speculation import DraftPlan
@@ -94,7 +92,8 @@ class DraftModel:
         if not reads:
             return {}
         logits, _ = self.runner.run(reads)
-        proposals = {req: [int(torch.argmax(logits[row]))] for req, row, _ in proposing}
+        tops = logits.argmax(-1).tolist()
+        proposals = {req: [tops[row]] for req, row, _ in proposing}
         for position in range(1, max((k for *_, k in proposing), default=0)):
             live = [req for req, _, k in proposing if k > position]
             start = [req.num_tokens + position - 1 for req in live]
@@ -103,8 +102,8 @@ class DraftModel:
                 for req, at in zip(live, start, strict=True)
             ]
             logits, _ = self.runner.run(inputs)
-            for row, (req, at) in enumerate(zip(live, start, strict=True)):
-                proposals[req].append(int(torch.argmax(logits[row])))
+            for req, at, top in zip(live, start, logits.argmax(-1).tolist(), strict=True):
+                proposals[req].append(top)
                 self._seen[req] = at + 1
         return proposals
 

@@ -245,7 +245,7 @@ class Scheduler:
             k = min(k, tokens - catch_up) if catch_up == unseen else 0
             plans.append(DraftPlan(request, catch_up, k))
             tokens, rows = tokens - catch_up - k, rows - k
-        if plans:
+        if plans:  # every request's draft is the engine's one DraftModel
             proposals = plans[0].request.speculation.draft.propose(plans)
             for chunk in decodes:
                 self._verify(chunk, proposals.get(chunk.request, []))
