@@ -202,6 +202,17 @@ def test_batched_proposals_are_the_proposals_made_one_at_a_time(checkpoint):
     assert batched.pool.num_used == 0
 
 
+def test_the_draft_runs_its_largest_step_before_serving_and_keeps_no_trace(checkpoint):
+    target = checkpoint("llama")
+    fresh = engine_of(target, speculate="draft", draft_model=str(target), kv_cache_tokens=256)
+    engine = engine_of(target, speculate="draft", draft_model=str(target), kv_cache_tokens=256)
+    forwards = draft_forwards(engine)
+    engine.reserve_peak_memory()
+    assert forwards == [[engine.scheduler.max_step_tokens]]
+    assert all(not k.any() and not v.any() for k, v in engine.draft.runner.kv_cache)
+    assert tokens_of(engine, greedy(16))[0] == tokens_of(fresh, greedy(16))[0]
+
+
 class CountingDraft:
     """Stands in for a DraftModel that has `unseen` tokens to read for every request; keeps
     each step's plans as (catch_up, k)."""
