@@ -15,10 +15,11 @@ Each step is one hybrid batch:
 4. What the prompts leave of the budget goes to speculation (speculation.py): decodes, in
    admission order, get proposed tokens to verify in the same forward, at most VERIFY_ROWS
    rows of decodes and proposals in all, and only into free KV (no one is preempted for a
-   proposal). A draft model's reading of tokens it has not seen (draft.py) comes out of the
-   same share, so a long prompt's catch-up goes in chunks and stalls no one. So speculation shrinks before prompt chunks do, and narrows as the batch
-   grows: each request proposes fewer (a verified row is worth less beside more decodes),
-   and none from VERIFY_ROWS decodes on.
+   proposal). A draft model's reading of the tokens it has not seen (draft.py) comes out of
+   the same share, so a long prompt's catch-up goes in chunks and stalls no one. So
+   speculation shrinks before prompt chunks do, and narrows as the batch grows: each request
+   proposes fewer (a verified row is worth less beside more decodes), and none from
+   VERIFY_ROWS decodes on.
 A request marked whole_prefill (submit(), or chunking off) takes its whole prompt at once.
 
 A request for n choices prefills its prompt once; the other n - 1 then fork from it (fork()).
