@@ -2,8 +2,11 @@
 
 It must share the target's tokenizer (check_same_tokenizer), since its token ids are the
 target's. Its K/V lives in its own block pool, with its own block table per request. Before
-proposing, it catches up on the request's tokens it has not seen (the prompt, then the
-accepted output) in one chunk, then proposes k tokens with k greedy (argmax) forwards.
+proposing, it reads the request's tokens it has not seen (the prompt, then the accepted
+output), in chunks that the scheduler takes out of the step's token budget as it does prompt
+chunks (Scheduler._speculate), so that a long prompt's catch-up stalls no stream; then it
+proposes k tokens with k greedy (argmax) forwards. Each forward is batched over all the
+requests the step speculates for, as the target's are.
 
 It never needs rolling back explicitly: the tokens it has seen are valid up to the target's
 num_computed, which after a verification covers the accepted proposals and nothing past them
@@ -12,10 +15,9 @@ num_computed, which after a verification covers the accepted proposals and nothi
 
 from __future__ import annotations
 
-import torch
-
 from gapless.engine.request import Request
 from gapless.engine.runner import ChunkInput, ModelRunner
+from gapless.engine.speculation import DraftPlan
 from gapless.kv.block_pool import BlockPool
 from gapless.model.decoder import Decoder
 from gapless.model.tokenizer import Tokenizer
@@ -61,26 +63,63 @@ class DraftModel:
         self._tables: dict[Request, list[int]] = {}
         self._seen: dict[Request, int] = {}  # leading tokens whose K/V the draft wrote
 
-    def propose(self, request: Request, k: int) -> list[int]:
-        """The k tokens the draft's argmax picks after the request's tokens, or none when its
-        pool cannot hold them."""
-        end = request.num_tokens
-        seen = min(self._seen.get(request, 0), request.num_computed)
+    def unseen(self, request: Request) -> int:
+        """How many of the request's tokens the draft has yet to read before it can propose:
+        those past the last one it read that the target kept (at least the last sampled)."""
+        return request.num_tokens - self._valid(request)
+
+    def _valid(self, request: Request) -> int:
+        return min(self._seen.get(request, 0), request.num_computed)
+
+    def propose(self, plans: list[DraftPlan]) -> dict[Request, list[int]]:
+        """Reads each plan's next catch_up unseen tokens and, for a plan that has then read
+        them all, proposes its k tokens, the draft's argmax after each: one ragged forward
+        over every plan's tokens, then one per further proposal position over the requests
+        still proposing, as the target's runner batches a step. A request whose blocks the
+        pool cannot hold reads and proposes nothing this time."""
+        reads: list[ChunkInput] = []
+        proposing: list[tuple[Request, int, int]] = []  # request, its row in reads, k
+        for plan in plans:
+            request, start = plan.request, self._valid(plan.request)
+            end = start + plan.catch_up
+            k = plan.k if end == request.num_tokens else 0
+            if not self._hold(request, end + max(k - 1, 0)):
+                continue
+            if k:
+                proposing.append((request, len(reads), k))
+            reads.append(self._input(request, request.tokens(start, end), start))
+            self._seen[request] = end
+        if not reads:
+            return {}
+        logits, _ = self.runner.run(reads)
+        tops = logits.argmax(-1).tolist()
+        proposals = {req: [tops[row]] for req, row, _ in proposing}
+        for position in range(1, max((k for *_, k in proposing), default=0)):
+            live = [req for req, _, k in proposing if k > position]
+            start = [req.num_tokens + position - 1 for req in live]
+            inputs = [
+                self._input(req, proposals[req][-1:], at)
+                for req, at in zip(live, start, strict=True)
+            ]
+            logits, _ = self.runner.run(inputs)
+            for req, at, top in zip(live, start, logits.argmax(-1).tolist(), strict=True):
+                proposals[req].append(top)
+                self._seen[req] = at + 1
+        return proposals
+
+    def _hold(self, request: Request, num_tokens: int) -> bool:
+        """Makes room in the request's draft blocks for its first num_tokens tokens."""
         table = self._tables.setdefault(request, [])
-        need = -(-(end + k - 1) // self.pool.block_size) - len(table)
+        need = -(-num_tokens // self.pool.block_size) - len(table)
         if need > self.pool.num_available:
-            return []
+            return False
         if need > 0:
             table += self.pool.allocate(need)
-        proposals: list[int] = []
-        tokens, start = request.tokens(seen, end), seen
-        for position in range(end, end + k):
-            last_block = -(-(start + len(tokens)) // self.pool.block_size)
-            logits, _ = self.runner.run([ChunkInput(tokens, start, table[:last_block], False)])
-            proposals.append(int(torch.argmax(logits[-1])))
-            tokens, start = proposals[-1:], position
-        self._seen[request] = end + k - 1
-        return proposals
+        return True
+
+    def _input(self, request: Request, tokens: list[int], start: int) -> ChunkInput:
+        last_block = -(-(start + len(tokens)) // self.pool.block_size)
+        return ChunkInput(tokens, start, self._tables[request][:last_block], False)
 
     def release(self, request: Request) -> None:
         """Frees the request's draft blocks (it finished, was cancelled or preempted)."""

@@ -342,7 +342,8 @@ class Engine:
         """Runs the largest step this engine can schedule once, before serving. The allocator
         keeps what a step frees (see device.tune_allocator), so resident memory then starts
         at its high-water mark, rather than stepping up hours later when a long prompt first
-        lands at the end of a long context; and that step's op caches are warm.
+        lands at the end of a long context; and that step's op caches are warm. A draft model
+        runs its own largest step too: its catch-up chunks come out of the same budget.
 
         Whole-prompt prefill has no largest step short of the context length, and is skipped.
         """
@@ -351,6 +352,8 @@ class Engine:
         context = min(self.max_model_len, self.pool.num_blocks * self.pool.block_size)
         num_tokens = min(self.scheduler.max_step_tokens, context)
         self.runner.run_largest_step(num_tokens, context)
+        if self.draft is not None:
+            self.draft.runner.run_largest_step(num_tokens, context)
 
     # -- requests ---------------------------------------------------------------------------
 

@@ -22,9 +22,11 @@ Each step is one hybrid batch:
 4. What the prompts leave of the budget goes to speculation (speculation.py): decodes, in
    admission order, get proposed tokens to verify in the same forward, at most VERIFY_ROWS
    rows of decodes and proposals in all, and only into free KV (no one is preempted for a
-   proposal). So speculation shrinks before prompt chunks do, and narrows as the batch
-   grows: each request proposes fewer (a verified row is worth less beside more decodes),
-   and none from VERIFY_ROWS decodes on.
+   proposal). A draft model's reading of the tokens it has not seen (draft.py) comes out of
+   the same share, so a long prompt's catch-up goes in chunks and stalls no one. So
+   speculation shrinks before prompt chunks do, and narrows as the batch grows: each request
+   proposes fewer (a verified row is worth less beside more decodes), and none from
+   VERIFY_ROWS decodes on.
 A request marked whole_prefill (submit(), or chunking off) takes its whole prompt at once.
 
 An image whose tokens attend to each other both ways (Gemma 3) is never cut by a chunk: its
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 
 from gapless.engine.options import check, option
 from gapless.engine.request import Request, RequestState
+from gapless.engine.speculation import DraftPlan
 from gapless.kv.block_pool import BlockPool
 from gapless.kv.groups import KVGroup, first_needed_block
 from gapless.kv.prefix_cache import block_hashes
@@ -240,7 +243,7 @@ class Scheduler:
             budget -= n + charge
             left -= n + charge
         if speculating:
-            self._speculate(decodes, min(left, VERIFY_ROWS - len(decodes)))
+            self._speculate(decodes, left, VERIFY_ROWS - len(decodes))
         return chunks
 
     def _encodes(
@@ -272,25 +275,52 @@ class Scheduler:
                 n = min(n, budget - charge)
         return n, images, charge
 
-    def _speculate(self, decodes: list[ScheduledChunk], budget: int) -> None:
-        """Gives decodes, in admission order, tokens their proposers propose, while `budget`
-        tokens last: each no more than its request can still emit, and only into free KV."""
+    def _speculate(self, decodes: list[ScheduledChunk], tokens: int, rows: int) -> None:
+        """Gives decodes, in admission order, tokens their proposers propose, while the step
+        has `tokens` tokens and `rows` rows left to verify: each no more than its request can
+        still emit, and only into free KV. A draft model first reads the tokens it has not
+        seen (a whole prompt, at first), in chunks that count against `tokens` as its
+        proposals do; it proposes only once it has read them all, in forwards batched over
+        the step's requests."""
+        plans: list[DraftPlan] = []
         for chunk in decodes:
-            request = chunk.request
-            if budget <= 0:
-                return
-            if request.speculation is None:
+            request, speculation = chunk.request, chunk.request.speculation
+            if min(tokens, rows) <= 0:
+                break
+            if speculation is None:
                 continue
             # A run of k accepted proposals emits k + 1 tokens.
-            most = min(budget, request.params.max_tokens - len(request.output_ids) - 1)
+            most = min(tokens, rows, request.params.max_tokens - len(request.output_ids) - 1)
             if self.max_model_len is not None:
                 most = min(most, self.max_model_len - request.num_tokens - 1)
             most = min(most, self._room(request) - 1)
-            draft = request.speculation.propose(request, most, len(decodes)) if most > 0 else []
-            if draft and self._reserve(request, 1 + len(draft)):
-                chunk.draft = draft
-                chunk.num_tokens += len(draft)
-                budget -= len(draft)
+            if most <= 0:
+                continue
+            if speculation.draft is None:
+                used = self._verify(chunk, speculation.propose(request, most, len(decodes)))
+                tokens, rows = tokens - used, rows - used
+                continue
+            k = min(most, speculation.limit(len(decodes)))
+            if k <= 0:
+                continue
+            unseen = speculation.draft.unseen(request)
+            catch_up = min(unseen, tokens)
+            k = min(k, tokens - catch_up) if catch_up == unseen else 0
+            plans.append(DraftPlan(request, catch_up, k))
+            tokens, rows = tokens - catch_up - k, rows - k
+        if plans:  # every request's draft is the engine's one DraftModel
+            proposals = plans[0].request.speculation.draft.propose(plans)
+            for chunk in decodes:
+                self._verify(chunk, proposals.get(chunk.request, []))
+
+    def _verify(self, chunk: ScheduledChunk, draft: list[int]) -> int:
+        """Puts a decode's proposed tokens in its chunk, if free KV holds them; returns how
+        many it put."""
+        if not draft or not self._reserve(chunk.request, 1 + len(draft)):
+            return 0
+        chunk.draft = draft
+        chunk.num_tokens += len(draft)
+        return len(draft)
 
     def _schedule_decodes(self) -> list[ScheduledChunk]:
         chunks = []

@@ -26,6 +26,7 @@ How many tokens a request proposes follows how its proposals have fared (Specula
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -51,6 +52,15 @@ DECAY = 0.75
 # batch 8 the probes alone put a proposal in almost every step, and sampled free generation
 # ran at 0.93x.)
 PROBE_EVERY = 8
+
+
+@dataclass
+class DraftPlan:
+    """What the draft does for a request in a step (Scheduler._speculate decides)."""
+
+    request: Request
+    catch_up: int  # its unseen tokens to read (DraftModel.unseen), at most the step affords
+    k: int  # the tokens to propose once it has read them all
 
 
 class Speculation:
@@ -99,15 +109,14 @@ class Speculation:
         self.rejected = DECAY * self.rejected + (accepted < proposed)
 
     def propose(self, request: Request, most: int, batch: int) -> list[int]:
-        """Up to `most` tokens to follow the request's prompt and output, beside `batch`
-        decodes: the draft model's greedy tokens, or else what followed the latest earlier
-        occurrence of its last NGRAM_MAX tokens, else of fewer, down to NGRAM_MIN. (Its
-        tokens only ever grow: rejected proposals never join them.)"""
+        """By prompt lookup (a draft model's proposals are batched over the step instead,
+        DraftModel.propose): up to `most` tokens to follow the request's prompt and output,
+        beside `batch` decodes: what followed the latest earlier occurrence of its last
+        NGRAM_MAX tokens, else of fewer, down to NGRAM_MIN. (Its tokens only ever grow:
+        rejected proposals never join them.)"""
         k = min(most, self.limit(batch))
         if k <= 0:
             return []
-        if self.draft is not None:
-            return self.draft.propose(request, k)
         data, total = self._tokens, request.num_tokens
         for token in request.tokens(self._count, total):
             data += token.to_bytes(_WIDTH, "little")
