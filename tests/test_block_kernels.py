@@ -331,6 +331,10 @@ def test_step_ops_take_decode_rows_on_our_kernels_and_chunks_on_torchs(monkeypat
     for rows in (1, 16, 17):
         step_ops.rms_norm(torch.randn(rows, 64), w, 1e-6)
     step_ops.rms_norm(torch.randn(4, 64).double(), w.double(), 1e-6)  # a dtype it lacks
+    transposed = torch.randn(64, 4).T  # its last dim strided (Gemma 3's pooled image rows)
+    assert torch.allclose(
+        step_ops.rms_norm(transposed, w, 1e-6), F.rms_norm(transposed, (64,), w, 1e-6)
+    )
     monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
     step_ops.rms_norm(torch.randn(4, 64), w, 1e-6)
     assert calls == [1, 16]
