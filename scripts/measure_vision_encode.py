@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from gapless.kernels import resolve_dtype, select
+from gapless.model.encode_steps import EncodeSteps
 from gapless.model.families import vit
 from gapless.model.loader import Weights
 
@@ -53,7 +54,7 @@ def main() -> None:
     with torch.inference_mode():
         for _ in range(args.runs + 1):
             start = time.perf_counter()
-            tower.hidden_states(pixels.float(), (layers,))
+            EncodeSteps(tower.states(pixels.float(), (layers,)), layers + 1).finish()
             times.append(time.perf_counter() - start)
     tokens = cfg.num_patches + 1
     print(

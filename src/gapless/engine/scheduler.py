@@ -62,8 +62,9 @@ class ScheduledChunk:
     # A decode's proposed tokens, verified after its last sampled token (num_tokens counts
     # them).
     draft: list[int] = field(default_factory=list)
-    # Indexes into request.images of the images encoded in this step, before its forward.
-    encodes: list[int] = field(default_factory=list)
+    # (index into request.images, units of its encode) run in this step, before its forward.
+    # A chunk of 0 tokens only encodes: its prompt waits for the image's encode to complete.
+    encodes: list[tuple[int, int]] = field(default_factory=list)
 
 
 class PrefillPolicy:
@@ -229,12 +230,13 @@ class Scheduler:
             n = remaining if request.whole_prefill else min(remaining, budget)
             first = len(chunks) == len(decodes)  # no other prompt chunk in the step yet
             n, encodes, charge = self._encodes(request, n, budget, first)
-            n = self._keep_images_whole(request, n, extend=first)
-            if n == 0:
+            if n:
+                n = self._keep_images_whole(request, n, extend=first)
+            if n == 0 and not encodes:
                 continue
-            if not self._reserve(request, n):
+            if n and not self._reserve(request, n):
                 n = self._fit(request, n)  # a shrunk chunk encodes its images ahead of it
-                if n == 0:
+                if n == 0 and not encodes:
                     continue
             chunks.append(ScheduledChunk(request, n, encodes=encodes))
             budget -= n + charge
@@ -245,12 +247,15 @@ class Scheduler:
 
     def _encodes(
         self, request: Request, n: int, budget: int, first: bool
-    ) -> tuple[int, list[int], int]:
-        """The request's next chunk of at most n tokens beside the encodes of the images it
+    ) -> tuple[int, list[tuple[int, int]], int]:
+        """The request's next chunk of at most n tokens beside the encode work of the images it
         reaches unencoded, within `budget` prompt tokens and their charge: (its tokens, the
-        images, their charge). `first`: no other prompt chunk is in the step yet."""
+        (image, units) encoded, their charge). `first`: no other prompt chunk is in the step
+        yet. A unit of an image's encode is charged its cost (`encode_cost`, else its
+        placeholder tokens) over its units, rounded up; the chunk stops before an image whose
+        encode does not complete in the step."""
         start = request.num_computed
-        images: list[int] = []
+        encodes: list[tuple[int, int]] = []
         charge = 0
         for i, image in enumerate(request.images):
             offset = image.start - start
@@ -261,16 +266,21 @@ class Scheduler:
             cost = (
                 image.length if self.encode_cost is None else self.encode_cost(image.length, start)
             )
-            if not request.whole_prefill and max(offset, 0) + 1 + charge + cost > budget:
-                if offset > 0 or images or not first:
-                    return max(offset, 0), images, charge  # the encode waits for a step of its own
-                # Starting at the image: encoding it is the only way on.
-                return 1, [i], cost
-            charge += cost
-            images.append(i)
+            per_unit = max(1, -(-cost // image.units))
+            left = request.encode_units_left(i)
+            units = left
+            if not request.whole_prefill:
+                units = min(left, max(0, budget - max(offset, 0) - charge) // per_unit)
+                if not units and offset <= 0 and not encodes and first:
+                    units = 1  # at the image, a unit past the budget is the only way on
+            if units:
+                encodes.append((i, units))
+                charge += units * per_unit
+            if units < left:
+                return max(offset, 0), encodes, charge  # the prompt waits for the encode
             if not request.whole_prefill:
                 n = min(n, budget - charge)
-        return n, images, charge
+        return max(n, 0), encodes, charge
 
     def _speculate(self, decodes: list[ScheduledChunk], budget: int) -> None:
         """Gives decodes, in admission order, tokens their proposers propose, while `budget`
@@ -468,7 +478,7 @@ class Scheduler:
         request.window_tables = []
         request.block_hashes = []
         request.num_registered = 0
-        request.image_embeds.clear()  # recomputed with the blocks, if the request runs again
+        request.drop_images()
 
     def settle_speculation(self, request: Request) -> None:
         """After a verification moved num_computed past the accepted proposals: offers their
