@@ -12,13 +12,16 @@ Each step is one hybrid batch:
 3. Chunks go to prefilling and waiting requests in the order of the prefill policy (a
    PrefillPolicy: `fcfs` by arrival, or `shortest` remaining prefill first, aged by steps
    waited so that no prompt starves). Several prompts may share the budget. Waiting requests are admitted while `max_num_seqs` and free KV allow.
-   An image the chunk reaches unencoded is encoded in the step, before its forward, and its
-   encode is charged against the budget as prompt tokens (`encode_cost`: the cost model's
-   estimate of its time in prompt tokens under a latency target, else its placeholder
-   tokens): the chunk shrinks to what the encode leaves, or stops before the image so that
-   the next step encodes it. A chunk that starts at an image its budget cannot afford still
-   encodes it, beside one prompt token, if it is the step's first prompt chunk: an
-   encode is never cut, so such a step exceeds the budget by the encode.
+   An image the chunk reaches unencoded is encoded a few units at a time (its tower's
+   blocks, + 1 for its projector: model/encode_steps.py), before the step's forward. Each
+   unit is charged against the budget as the image's encode cost over its units, rounded up
+   (the cost: `encode_cost`, the cost model's estimate of its time in prompt tokens under a
+   latency target, else its placeholder tokens); the step runs the units the budget leaves
+   after the chunk's text before the image. The chunk stops before an image whose encode
+   does not complete in the step (a chunk of 0 tokens only encodes), and takes what the
+   budget leaves once it completes. A chunk that starts at an image its budget affords no
+   unit of still runs one if it is the step's first prompt chunk: such a step exceeds the
+   budget by a unit.
 4. What the prompts leave of the budget goes to speculation (speculation.py): decodes, in
    admission order, get proposed tokens to verify in the same forward, at most VERIFY_ROWS
    rows of decodes and proposals in all, and only into free KV (no one is preempted for a
@@ -31,8 +34,8 @@ An image whose tokens attend to each other both ways (Gemma 3) is never cut by a
 earlier tokens attend to its later ones, which must be in the same forward. A chunk that
 would end inside one ends before it instead; when nothing would be left (the chunk starts at
 the image, or inside it after a prefix-cache hit), it runs to the image's end, past the
-budget, if it is the step's first prompt chunk, and else waits for the next step. (So the one
-prompt token beside an encode the budget cannot afford becomes, for such an image, all of it.)
+budget, if it is the step's first prompt chunk, and else waits for the next step. (So the
+chunk that reaches such an image once its encode is complete takes all of it.)
 
 A request for n choices prefills its prompt once; the other n - 1 then fork from it (fork()).
 """
