@@ -242,7 +242,12 @@ class ModelRunner:
             encode = req.image_encodes.get(i)
             if encode is None:
                 encode = req.image_encodes[i] = self.encoder.encode_steps(req.images[i].image)
-            if encode.advance(units):
+            try:
+                done = encode.advance(units)
+            except Exception:
+                del req.image_encodes[i]  # its generator is closed: a retry starts it again
+                raise
+            if done:
                 req.image_embeds[i] = req.image_encodes.pop(i).finish()
         chunk.encodes = []
 
