@@ -20,7 +20,7 @@ others decode, dtype auto) and a timer around the encoder:
 - share (both): the image prompt alone on an idle engine: its time to first token and the
   encode's part of it.
 
-    python scripts/measure_image_stall.py [--layers 4] [--rounds 3] [--out DIR]
+    python scripts/measure_image_stall.py [--layers 4] [--rounds 3] [--out DIR] [--target-itl-ms X]
 """
 
 from __future__ import annotations
@@ -162,8 +162,10 @@ def image_prompt(seed: int) -> list[int]:
     return [*rng.integers(10, 500, 20).tolist(), IMAGE_TOKEN, *rng.integers(10, 500, 10).tolist()]
 
 
-def engine_of(path: Path) -> Engine:
-    config = EngineConfig.of(kv_cache_tokens=8192, speculate="none", prefill_chunk=CHUNK)
+def engine_of(path: Path, target_itl_ms: float | None) -> Engine:
+    config = EngineConfig.of(
+        kv_cache_tokens=8192, speculate="none", prefill_chunk=CHUNK, target_itl_ms=target_itl_ms
+    )
     return Engine.from_pretrained(path, config)
 
 
@@ -196,7 +198,7 @@ def stall_round(engine: Engine, timer: EncodeTimer, seed: int) -> dict[str, floa
         if len(timer.spans) > encodes:
             encode_steps.append((elapsed, timer.spans[-1][2]))
             encodes = len(timer.spans)
-        elif prompt_tokens == CHUNK:
+        elif prompt_tokens == CHUNK or (engine.cost_model is not None and prompt_tokens):
             chunk_steps.append(elapsed)
         if any(isinstance(e, TokenEvent) and e.request_id == intruder for e in events):
             answered = time.perf_counter()
@@ -252,6 +254,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="language layers (of 36)")
     parser.add_argument("--rounds", type=int, default=3, help="stall rounds, and TTFT runs")
     parser.add_argument("--out", type=Path, help="keep the checkpoints here (built if absent)")
+    parser.add_argument(
+        "--target-itl-ms",
+        type=float,
+        help="the engine's latency target: chunks and encode units sized by its cost model "
+        "(a chunk step is then any step with prompt tokens and no encode work)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = args.out or Path(tmp)
@@ -266,7 +274,7 @@ def main() -> None:
                 started = time.perf_counter()
                 build(path, text, tower)
                 print(f"built {name} in {time.perf_counter() - started:.0f} s", flush=True)
-            engine = engine_of(path)
+            engine = engine_of(path, args.target_itl_ms)
             timer = EncodeTimer(engine)
             [placed] = engine.admission.check_prompt(image_prompt(0), images=[image(0)]).images
             assert placed.length == 1000, placed.length
