@@ -4,15 +4,18 @@ gets, not how long they take."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from gapless.engine.admission import PromptImage
 from gapless.engine.request import Request, RequestState
+from gapless.engine.runner import ModelRunner
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.scheduler import Scheduler, SchedulerConfig
 from gapless.kv.block_pool import BlockPool
+from gapless.model.encode_steps import EncodeSteps, EncodeWork
 from gapless.model.images import PreparedImage
 
 
@@ -109,34 +112,53 @@ def test_a_long_prompt_behind_a_stream_of_short_ones_gets_its_first_chunk_within
 # Images: what an encode takes of a step's prompt budget.
 
 
-def image_request(rid: str, text: list[int], image_tokens: list[int]) -> Request:
+def image_request(rid: str, text: list[int], image_tokens: list[int], units: int = 1) -> Request:
     """text[i] prompt tokens, then an image of image_tokens[i] placeholders, for each i, then
-    8 tokens of text."""
+    8 tokens of text; each image's encode is `units` units (tower blocks + 1)."""
     ids: list[int] = []
     images = []
     for i, (n, length) in enumerate(zip(text, image_tokens, strict=True)):
         ids += range(1, n + 1)
-        images.append(PromptImage(len(ids), length, PreparedImage(np.zeros(1)), f"image{i}"))
+        pixels = np.zeros(units)  # FakeEncoder's encode is this many units
+        image = PromptImage(len(ids), length, PreparedImage(pixels), f"image{i}", False, units)
+        images.append(image)
         ids += [999] * length
     ids += range(1, 9)
     req = Request(rid, ids, SamplingParams(max_tokens=10_000), images=tuple(images))
     return req
 
 
-def run_image_step(scheduler: Scheduler) -> dict[str, tuple[int, list[int]]]:
-    """run_step, and what each chunk encodes: the encoded images' embeddings are kept until
-    the prompt passes them, as the runner keeps them."""
+class FakeEncoder:
+    """An encoder whose encode of an image is len(image.pixels) units of no work."""
+
+    def encode_steps(self, image: PreparedImage) -> EncodeSteps:
+        units = len(image.pixels)
+
+        def work() -> EncodeWork:
+            for _ in range(units - 1):
+                yield
+            return torch.zeros(1)
+
+        return EncodeSteps(work(), units)
+
+
+RUNNER = SimpleNamespace(encoder=FakeEncoder())  # all ModelRunner.encode reads of a runner
+
+
+def run_image_step(scheduler: Scheduler) -> dict[str, tuple[int, list[tuple[int, int]]]]:
+    """run_step, and what each chunk encodes, run by the runner's own code: an image's encode
+    in progress, then its embeddings, kept until the prompt passes them."""
     chunks = {}
     for chunk in scheduler.schedule():
         req = chunk.request
-        for i in chunk.encodes:
-            req.image_embeds[i] = torch.zeros(1)
+        encodes = list(chunk.encodes)
+        ModelRunner.encode(RUNNER, chunk)  # type: ignore[arg-type]
         req.num_computed += chunk.num_tokens
         req.drop_images_before(req.num_computed)
         if req.num_uncomputed == 0:
             req.state = RequestState.DECODING
             req.output_ids.append(7)
-        chunks[req.request_id] = (chunk.num_tokens, chunk.encodes)
+        chunks[req.request_id] = (chunk.num_tokens, encodes)
     return chunks
 
 
@@ -154,7 +176,7 @@ def test_without_a_target_an_encode_takes_its_placeholder_tokens_of_the_budget()
     scheduler = static_scheduler(streams=4)
     scheduler.add(image_request("img", [100], [300]))
     steps = run_image_step(scheduler)
-    assert steps["img"] == (512 - 300, [0])  # the text, and 112 of the image's tokens
+    assert steps["img"] == (512 - 300, [(0, 1)])  # the text, and 112 of the image's tokens
     assert all(steps[f"s{i}"] == (1, []) for i in range(4))
     assert run_image_step(scheduler)["img"] == (196, [])  # the rest, encoded already
 
@@ -163,11 +185,11 @@ def test_an_image_the_budget_cannot_afford_is_encoded_in_a_step_of_its_own():
     scheduler = static_scheduler(streams=4)
     req = image_request("img", [100], [1000])
     scheduler.add(req)
-    # The text before it; then its encode (1,000 > 512) beside one of its tokens; then chunks.
+    # The text before it; then its encode of one unit (1,000 > 512) alone; then chunks.
     assert run_image_step(scheduler)["img"] == (100, [])
-    assert run_image_step(scheduler)["img"] == (1, [0])
+    assert run_image_step(scheduler)["img"] == (0, [(0, 1)])
     assert run_image_step(scheduler)["img"] == (512, [])
-    assert run_image_step(scheduler)["img"] == (487 + 8, [])  # the image's last, the text
+    assert run_image_step(scheduler)["img"] == (488 + 8, [])  # the image's last, the text
     assert req.state is RequestState.DECODING
 
 
@@ -181,8 +203,8 @@ def test_a_second_prompt_in_the_step_encodes_only_what_the_budget_leaves_room_fo
     # first prompt chunk), and the one of 100 behind it is encoded.
     assert steps["text"] == (200, [])
     assert "img" not in steps
-    assert steps["late"] == (108, [0])
-    assert run_image_step(scheduler)["img"] == (112, [0])
+    assert steps["late"] == (108, [(0, 1)])
+    assert run_image_step(scheduler)["img"] == (112, [(0, 1)])
 
 
 class FakeEncodeCost(FakeCostModel):
@@ -207,11 +229,66 @@ def test_under_a_target_the_chunk_shrinks_by_the_encodes_predicted_time():
     run_image_step(scheduler)
     scheduler.add(image_request("img", [20], [200]))
     # 110 tokens fit beside the decodes; the encode takes 200 x 0.2 ms = 40 ms of them.
-    assert run_image_step(scheduler)["img"] == (110 - 40, [0])
+    assert run_image_step(scheduler)["img"] == (110 - 40, [(0, 1)])
     while scheduler.running[-1].state is RequestState.PREFILLING:
         assert run_image_step(scheduler)["img"][1] == []
-    # An encode longer than the whole target: a step of its own, beside one prompt token.
+    # An encode of one unit longer than the whole target: a step of its own.
     model.per_image_token = 0.001
     scheduler.add(image_request("big", [0], [300]))
-    assert run_image_step(scheduler)["big"] == (1, [0])
+    assert run_image_step(scheduler)["big"] == (0, [(0, 1)])
     assert run_image_step(scheduler)["big"] == (100, [])  # then what fits beside 5 decodes
+
+
+def test_an_encode_is_cut_into_the_units_the_budget_affords_and_the_prompt_waits_for_it():
+    """An image of 1,000 tokens whose encode is 41 units costs 25 prompt tokens a unit: each
+    step runs what the 512-token budget leaves room for, the streams decode every step, and
+    the image's tokens wait until its encode is complete."""
+    scheduler = static_scheduler(streams=4)
+    req = image_request("img", [100], [1000], units=41)
+    scheduler.add(req)
+    per_unit = -(-1000 // 41)
+    steps = []
+    while 0 not in req.image_embeds:
+        before = req.num_computed
+        step = run_image_step(scheduler)
+        assert all(step[f"s{i}"] == (1, []) for i in range(4))
+        tokens, [(_, units)] = step["img"]
+        text = max(0, min(tokens, 100 - before))  # the step's tokens before the image
+        assert units <= (512 - text) // per_unit
+        if 0 not in req.image_embeds:
+            assert tokens == text  # none of the image's tokens before its encode completes
+            assert req.image_encodes[0].done == sum(e[0][1] for _, e in steps) + units
+        steps.append(step["img"])
+    assert steps == [(100, [(0, 16)]), (0, [(0, 20)]), (512 - 5 * per_unit, [(0, 5)])]
+    assert not req.image_encodes
+
+
+def test_under_a_target_an_encode_unit_costs_its_share_of_the_encodes_predicted_time():
+    model = FakeEncodeCost(0.15, 0.01, 0.001, per_image_token=0.001)
+    scheduler = Scheduler(
+        SchedulerConfig(min_prefill_chunk=64),
+        BlockPool(2048, 16),
+        model.prefill_budget,
+        encode_cost=model.encode_cost,
+    )
+    for i in range(4):
+        scheduler.add(request(f"s{i}", 8))
+    run_image_step(scheduler)
+    req = image_request("img", [0], [300], units=11)
+    scheduler.add(req)
+    # 110 prompt tokens fit beside the decodes; the encode takes 300 of them, 28 a unit.
+    assert run_image_step(scheduler)["img"] == (0, [(0, 110 // 28)])
+    while 0 not in req.image_embeds:
+        assert run_image_step(scheduler)["img"][1][0][1] <= 110 // 28
+
+
+def test_cancel_mid_encode_frees_the_encode_and_the_blocks():
+    scheduler = static_scheduler(streams=1)
+    used = scheduler.pool.num_used
+    req = image_request("img", [100], [1000], units=41)
+    scheduler.add(req)
+    run_image_step(scheduler)
+    assert 0 in req.image_encodes and scheduler.pool.num_used > used
+    scheduler.remove(req)
+    assert not req.image_encodes and not req.image_embeds
+    assert scheduler.pool.num_used == used

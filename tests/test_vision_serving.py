@@ -176,13 +176,14 @@ def test_gemma3_images_are_never_cut_by_a_chunk(vlm) -> None:
         assert steps[steps.index(image.start) + 1] == image.end  # one step, past the budget
 
     # The same text and first image, then other text: the cache holds the first block only,
-    # which ends 3 tokens into the image; the 13 after it, more than a chunk, run in one step.
+    # which ends 3 tokens into the image; once the image is encoded (two steps of 8 tokens'
+    # budget: 4 units of 4), the 13 after it, more than a chunk, run in one step.
     other = prompt(13, seed=1) + [IMAGE_TOKEN] + prompt(20, seed=7)
     hit = engine.scheduler.prefix_hit_tokens
     tokens, computed, _ = gemma3_steps(engine, other, images[:1])
     assert engine.scheduler.prefix_hit_tokens - hit == 16
     first = checked.images[0]
-    assert first.start < 16 and computed[0] == first.end
+    assert first.start < 16 and sorted(set(computed))[:2] == [16, first.end]
     assert tokens == expected(path, engine, other, images[:1])
 
 
@@ -191,16 +192,67 @@ def test_cancel_during_prefill_frees_blocks_and_embeddings(vlm) -> None:
     request_id = engine.add_request(
         two_image_prompt(), SamplingParams(max_tokens=4), images=[png(IMAGES[0]), png(IMAGES[1])]
     )
-    engine.step()  # the text before the first image: its encode does not fit beside it
+    engine.step()  # the text before the first image: no unit of its encode (12 tokens) fits
     [req] = engine.scheduler.running
-    assert not req.image_embeds
-    engine.step()  # the encode, beside one of the image's tokens
-    assert list(req.image_embeds) == [0]
-    engine.cancel(request_id)
+    assert not req.image_encodes
+    engine.step()  # one unit of its encode (of 3)
+    assert list(req.image_encodes) == [0] and not req.image_embeds
+    engine.cancel(request_id)  # mid-encode
     engine.step()
-    assert not req.image_embeds
+    assert not req.image_encodes and not req.image_embeds
     assert engine.pool.num_used == 0
     assert not engine.has_work
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_an_encode_cut_unit_by_unit_gives_the_whole_encodes_embeddings(vlm, name: str) -> None:
+    engine = engine_of(vlm(name))
+    encoder = engine.runner.encoder
+    units = encoder.encode_units
+    for prepared in engine.admission.check_images([png(i) for i in IMAGES[:2]]):
+        steps = encoder.encode_steps(prepared)
+        assert [steps.advance(1) for _ in range(units)] == [False] * (units - 1) + [True]
+        assert torch.equal(steps.embeds, encoder.encode(prepared))  # bit for bit
+
+
+@pytest.mark.parametrize("name", MAKERS)
+def test_an_encode_cut_across_steps_beside_decodes_gives_the_same_tokens(vlm, name: str) -> None:
+    """With 4-token chunks, each image's encode runs a unit or so a step while three streams
+    decode, every step; no step runs more units than the rule allows (the image's placeholder
+    tokens over its units each, one at least when the image is first in line); the image's
+    tokens wait for its encode; the tokens equal an uncut run's."""
+    path = vlm(name)
+    ids, images = two_image_prompt(), IMAGES[:2]
+    want = run(engine_of(path), ids, images)
+    engine = engine_of(path, chunk=4, enable_prefix_cache=False)
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    streams = [engine.add_request(prompt(3, seed=10 + i), params) for i in range(3)]
+    for _ in range(3):
+        engine.step()  # the streams' prompts are done; they decode from here
+    ran: list[tuple[int, int]] = []
+    encode = engine.runner.encode
+    engine.runner.encode = lambda chunk: (ran.extend(chunk.encodes), encode(chunk))[1]
+    checked = engine.admission.check_prompt(ids, images=[png(i) for i in images])
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    mine = engine.add_request(checked, params)
+    tokens, cut, finished = [], 0, False
+    while not finished:
+        ran.clear()
+        events = engine.step()
+        assert set(streams) <= {e.request_id for e in events if isinstance(e, TokenEvent)}
+        for e in events:
+            if e.request_id == mine and isinstance(e, TokenEvent):
+                tokens += e.token_ids
+            finished |= e.request_id == mine and isinstance(e, FinishedEvent)
+        for i, units in ran:
+            image = checked.images[i]
+            assert units <= max(1, 4 // -(-image.length // image.units))
+            cut += units < image.units
+        for req in engine.scheduler.running:
+            for i in req.image_encodes:  # an encode in progress: none of its tokens computed
+                assert req.num_computed <= req.images[i].start
+    assert cut  # an encode ran over several steps
+    assert tokens == want
 
 
 def test_embeddings_are_freed_once_the_prompt_passes_the_image(vlm) -> None:
@@ -236,7 +288,8 @@ def test_prefix_cache_shares_blocks_for_the_same_image_only(vlm) -> None:
 
 def test_under_a_latency_target_each_encode_is_timed_as_its_own_cost(vlm) -> None:
     """With --target-itl-ms the tokens are the same, and the cost model is told each step's
-    encoded placeholder tokens: the two images, once each."""
+    encoded placeholder tokens as the share of the encodes it runs: units of each image's
+    tokens over its units, adding up to the two images' tokens, once each."""
     path = vlm("llava")
     ids, images = two_image_prompt(), IMAGES[:2]
     want = run(engine_of(path, chunk=16), ids, images)
@@ -246,7 +299,9 @@ def test_under_a_latency_target_each_encode_is_timed_as_its_own_cost(vlm) -> Non
     engine.cost_model.observe = lambda f, t: (observed.append(f[4]), observe(f, t))[1]
     assert run(engine, ids, images) == want
     placed = engine.admission.check_prompt(ids, images=[png(i) for i in images]).images
-    assert sorted(n for n in observed if n) == sorted(p.length for p in placed)
+    per_unit = placed[0].length / placed[0].units  # the two images are alike
+    assert all((n / per_unit).is_integer() for n in observed)
+    assert sum(observed) == sum(p.length for p in placed)
 
 
 def test_text_only_model_refuses_images(tmp_path: Path) -> None:

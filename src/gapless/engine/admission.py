@@ -55,6 +55,9 @@ class PromptImage:
     # Its tokens attend to each other both ways (Gemma 3), so the run is computed in one
     # chunk (the scheduler's rule) and attends up to its end (kernels/plans.py).
     bidirectional: bool = False
+    # The units its encode is cut into (VisionEncoder.encode_units): the scheduler gives a
+    # step's encode work as a number of them.
+    units: int = 1
 
     @property
     def end(self) -> int:
@@ -271,7 +274,12 @@ class Admission:
             n = encoder.tokens(image)
             placed.append(
                 PromptImage(
-                    len(expanded), n, image, image_key(image), self.vision.bidirectional_images
+                    len(expanded),
+                    n,
+                    image,
+                    image_key(image),
+                    self.vision.bidirectional_images,
+                    encoder.encode_units,
                 )
             )
             expanded += [token] * n

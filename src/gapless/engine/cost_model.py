@@ -3,9 +3,11 @@
 A step's time is modelled as linear in the costs it is made of:
     t = base + a * decodes + b * prefill_tokens + c * attention_pairs + d * encoded_tokens
 where attention_pairs counts query-key pairs: each decode's context, plus each prompt
-chunk's tokens x the keys they see, and encoded_tokens counts the placeholder tokens of the
-images the step's vision encoder runs on (a vision-language model's; one family's tower does
-work in proportion to them: Qwen2.5-VL 4 patches a token, LLaVA one). (Separate terms for decode and prefill attention were
+chunk's tokens x the keys they see, and encoded_tokens is the share of images' placeholder
+tokens whose encode the step's vision encoder runs: each image's tokens times the fraction of
+its encode's units (tower blocks + 1) run in the step, as the scheduler cuts an encode across
+steps (a vision-language model's; one family's tower does work in proportion to them:
+Qwen2.5-VL 4 patches a token, LLaVA one). (Separate terms for decode and prefill attention were
 collinear with the base cost in practice and overestimated decodes.) The coefficients are refitted by
 least squares on recent steps, so the model follows the machine it runs on, its load and its
 thread count. With `--target-itl-ms X`, each step with decodes gets the largest prefill budget
@@ -34,10 +36,11 @@ CALIBRATION_WINDOW = 64
 
 
 def step_features(
-    decode_contexts: list[int], prefill_chunks: list[tuple[int, int]], encoded_tokens: int = 0
+    decode_contexts: list[int], prefill_chunks: list[tuple[int, int]], encoded_tokens: float = 0
 ) -> list[float]:
     """Features of a step: decode contexts, (tokens, tokens already computed) per chunk, and
-    the placeholder tokens of the images it encodes."""
+    the placeholder tokens of the images it encodes, each image's times the share of its
+    encode the step runs."""
     pairs = sum(decode_contexts) + sum(n * (start + n / 2) for n, start in prefill_chunks)
     return [
         1.0,

@@ -527,10 +527,20 @@ class Engine:
         features = step_features(
             [c.request.num_computed + 1 + i for c in decodes for i in range(c.num_tokens)],
             [(c.num_tokens, c.request.num_computed) for c in chunks if not c.request.is_decoding],
-            sum(c.request.images[i].length for c in chunks for i in c.encodes),
+            sum(
+                c.request.images[i].length * units / c.request.images[i].units
+                for c in chunks
+                for i, units in c.encodes
+            ),
         )
+        for chunk in [c for c in chunks if not c.num_tokens]:  # an encode alone: no rows
+            chunks.remove(chunk)
+            try:
+                self.runner.encode(chunk)
+            except Exception as exc:
+                self._fail(events, chunk.request, exc)
         runs: list[tuple[Request, torch.Tensor, list[int]]] = []
-        for chunk, rows in self._forward(events, chunks):
+        for chunk, rows in self._forward(events, chunks) if chunks else ():
             try:
                 # A draft's chunk has a row per token; the last 1 + len(draft) are sampled.
                 last = rows[len(rows) - 1 - len(chunk.draft) :]

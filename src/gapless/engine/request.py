@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from gapless.engine.admission import PromptImage
     from gapless.engine.output import OutputStream
     from gapless.engine.speculation import Speculation
+    from gapless.model.encode_steps import EncodeSteps
 
 # How an embedding request pools its prompt's hidden states after the final norm into one
 # vector, which is then L2-normalized: `last`, the last token's (decoder embedding models such
@@ -74,8 +75,10 @@ class Request:
     admitted_seq: int = -1  # admission order, for choosing preemption victims
 
     # The runner's: an image's embeddings by its index in `images`, from the step whose chunk
-    # first reaches it until the prompt is computed past it (or the request is preempted).
+    # first reaches it until the prompt is computed past it (or the request is preempted),
+    # and before that its encode in progress, which the scheduler cuts across steps.
     image_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    image_encodes: dict[int, EncodeSteps] = field(default_factory=dict)
 
     # The engine's.
     output_ids: list[int] = field(default_factory=list)
@@ -128,6 +131,19 @@ class Request:
             for p in range(max(start, image.start), min(end, image.end)):
                 keyed[p - start] = (image.key, p - image.start)
         return keyed
+
+    def encode_units_left(self, i: int) -> int:
+        """Units of image i's encode still to run."""
+        if i in self.image_embeds:
+            return 0
+        encode = self.image_encodes.get(i)
+        return self.images[i].units - (encode.done if encode is not None else 0)
+
+    def drop_images(self) -> None:
+        """Frees every image's embeddings and encode in progress (the request is preempted or
+        ends): they are recomputed with its blocks if it runs again."""
+        self.image_embeds.clear()
+        self.image_encodes.clear()
 
     def drop_images_before(self, position: int) -> None:
         """Frees the embeddings of the images that end at or before position."""

@@ -203,6 +203,7 @@ class ModelRunner:
             raise RankFailed(parallel.diagnose(exc)) from exc
 
     def _input(self, chunk: ScheduledChunk, all_logits: bool) -> ChunkInput:
+        self.encode(chunk)
         req, start = chunk.request, chunk.request.num_computed
         end = start + chunk.num_tokens
         blocks = -(-end // self.block_size)
@@ -225,23 +226,35 @@ class ModelRunner:
             all_logits or verify,
             hidden,
             verify,
-            self._image_embeds(req, chunk.encodes, start, end),
+            self._image_embeds(req, start, end),
             rope,
             whole,
             tuple(t[:blocks] for t in req.window_tables),
         )
 
     @torch.inference_mode()
+    def encode(self, chunk: ScheduledChunk) -> None:
+        """Runs the encode work the scheduler put in this step (chunk.encodes), once (a failed
+        step's chunks run again one at a time): an image's embeddings stay on the request
+        until its prompt passes them, its encode in progress until it completes."""
+        req = chunk.request
+        for i, units in chunk.encodes:
+            encode = req.image_encodes.get(i)
+            if encode is None:
+                encode = req.image_encodes[i] = self.encoder.encode_steps(req.images[i].image)
+            try:
+                done = encode.advance(units)
+            except Exception:
+                del req.image_encodes[i]  # its generator is closed: a retry starts it again
+                raise
+            if done:
+                req.image_embeds[i] = req.image_encodes.pop(i).finish()
+        chunk.encodes = []
+
     def _image_embeds(
-        self, req: Request, encodes: list[int], start: int, end: int
+        self, req: Request, start: int, end: int
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Encodes the images the scheduler put in this step (`encodes`), once: their
-        embeddings stay on the request until its prompt passes them. Returns the chunk's
-        slices of the images it reaches, each encoded in this step or before."""
-        for i in encodes:
-            # Already there when the engine reruns a failed step's chunks one at a time.
-            if i not in req.image_embeds:
-                req.image_embeds[i] = self.encoder.encode(req.images[i].image)
+        """The chunk's slices of the images it reaches, each encoded in this step or before."""
         regions = []
         for i, image in enumerate(req.images):
             if image.start < end and start < image.end:

@@ -12,13 +12,16 @@ Each step is one hybrid batch:
 3. Chunks go to prefilling and waiting requests in the order of the prefill policy (a
    PrefillPolicy: `fcfs` by arrival, or `shortest` remaining prefill first, aged by steps
    waited so that no prompt starves). Several prompts may share the budget. Waiting requests are admitted while `max_num_seqs` and free KV allow.
-   An image the chunk reaches unencoded is encoded in the step, before its forward, and its
-   encode is charged against the budget as prompt tokens (`encode_cost`: the cost model's
-   estimate of its time in prompt tokens under a latency target, else its placeholder
-   tokens): the chunk shrinks to what the encode leaves, or stops before the image so that
-   the next step encodes it. A chunk that starts at an image its budget cannot afford still
-   encodes it, beside one prompt token, if it is the step's first prompt chunk: an
-   encode is never cut, so such a step exceeds the budget by the encode.
+   An image the chunk reaches unencoded is encoded a few units at a time (its tower's
+   blocks, + 1 for its projector: model/encode_steps.py), before the step's forward. Each
+   unit is charged against the budget as the image's encode cost over its units, rounded up
+   (the cost: `encode_cost`, the cost model's estimate of its time in prompt tokens under a
+   latency target, else its placeholder tokens); the step runs the units the budget leaves
+   after the chunk's text before the image. The chunk stops before an image whose encode
+   does not complete in the step (a chunk of 0 tokens only encodes), and takes what the
+   budget leaves once it completes. A chunk that starts at an image its budget affords no
+   unit of still runs one if it is the step's first prompt chunk: such a step exceeds the
+   budget by a unit.
 4. What the prompts leave of the budget goes to speculation (speculation.py): decodes, in
    admission order, get proposed tokens to verify in the same forward, at most VERIFY_ROWS
    rows of decodes and proposals in all, and only into free KV (no one is preempted for a
@@ -33,8 +36,8 @@ An image whose tokens attend to each other both ways (Gemma 3) is never cut by a
 earlier tokens attend to its later ones, which must be in the same forward. A chunk that
 would end inside one ends before it instead; when nothing would be left (the chunk starts at
 the image, or inside it after a prefix-cache hit), it runs to the image's end, past the
-budget, if it is the step's first prompt chunk, and else waits for the next step. (So the one
-prompt token beside an encode the budget cannot afford becomes, for such an image, all of it.)
+budget, if it is the step's first prompt chunk, and else waits for the next step. (So the
+chunk that reaches such an image once its encode is complete takes all of it.)
 
 A request for n choices prefills its prompt once; the other n - 1 then fork from it (fork()).
 """
@@ -65,8 +68,9 @@ class ScheduledChunk:
     # A decode's proposed tokens, verified after its last sampled token (num_tokens counts
     # them).
     draft: list[int] = field(default_factory=list)
-    # Indexes into request.images of the images encoded in this step, before its forward.
-    encodes: list[int] = field(default_factory=list)
+    # (index into request.images, units of its encode) run in this step, before its forward.
+    # A chunk of 0 tokens only encodes: its prompt waits for the image's encode to complete.
+    encodes: list[tuple[int, int]] = field(default_factory=list)
 
 
 class PrefillPolicy:
@@ -232,12 +236,13 @@ class Scheduler:
             n = remaining if request.whole_prefill else min(remaining, budget)
             first = len(chunks) == len(decodes)  # no other prompt chunk in the step yet
             n, encodes, charge = self._encodes(request, n, budget, first)
-            n = self._keep_images_whole(request, n, extend=first)
-            if n == 0:
+            if n:
+                n = self._keep_images_whole(request, n, extend=first)
+            if n == 0 and not encodes:
                 continue
-            if not self._reserve(request, n):
+            if n and not self._reserve(request, n):
                 n = self._fit(request, n)  # a shrunk chunk encodes its images ahead of it
-                if n == 0:
+                if n == 0 and not encodes:
                     continue
             chunks.append(ScheduledChunk(request, n, encodes=encodes))
             budget -= n + charge
@@ -248,12 +253,15 @@ class Scheduler:
 
     def _encodes(
         self, request: Request, n: int, budget: int, first: bool
-    ) -> tuple[int, list[int], int]:
-        """The request's next chunk of at most n tokens beside the encodes of the images it
+    ) -> tuple[int, list[tuple[int, int]], int]:
+        """The request's next chunk of at most n tokens beside the encode work of the images it
         reaches unencoded, within `budget` prompt tokens and their charge: (its tokens, the
-        images, their charge). `first`: no other prompt chunk is in the step yet."""
+        (image, units) encoded, their charge). `first`: no other prompt chunk is in the step
+        yet. A unit of an image's encode is charged its cost (`encode_cost`, else its
+        placeholder tokens) over its units, rounded up; the chunk stops before an image whose
+        encode does not complete in the step."""
         start = request.num_computed
-        images: list[int] = []
+        encodes: list[tuple[int, int]] = []
         charge = 0
         for i, image in enumerate(request.images):
             offset = image.start - start
@@ -264,16 +272,21 @@ class Scheduler:
             cost = (
                 image.length if self.encode_cost is None else self.encode_cost(image.length, start)
             )
-            if not request.whole_prefill and max(offset, 0) + 1 + charge + cost > budget:
-                if offset > 0 or images or not first:
-                    return max(offset, 0), images, charge  # the encode waits for a step of its own
-                # Starting at the image: encoding it is the only way on.
-                return 1, [i], cost
-            charge += cost
-            images.append(i)
+            per_unit = max(1, -(-cost // image.units))
+            left = request.encode_units_left(i)
+            units = left
+            if not request.whole_prefill:
+                units = min(left, max(0, budget - max(offset, 0) - charge) // per_unit)
+                if not units and offset <= 0 and not encodes and first:
+                    units = 1  # at the image, a unit past the budget is the only way on
+            if units:
+                encodes.append((i, units))
+                charge += units * per_unit
+            if units < left:
+                return max(offset, 0), encodes, charge  # the prompt waits for the encode
             if not request.whole_prefill:
                 n = min(n, budget - charge)
-        return n, images, charge
+        return max(n, 0), encodes, charge
 
     def _speculate(self, decodes: list[ScheduledChunk], tokens: int, rows: int) -> None:
         """Gives decodes, in admission order, tokens their proposers propose, while the step
@@ -498,7 +511,7 @@ class Scheduler:
         request.window_tables = []
         request.block_hashes = []
         request.num_registered = 0
-        request.image_embeds.clear()  # recomputed with the blocks, if the request runs again
+        request.drop_images()
 
     def settle_speculation(self, request: Request) -> None:
         """After a verification moved num_computed past the accepted proposals: offers their

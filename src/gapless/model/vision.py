@@ -8,7 +8,8 @@ A vision family (a module in model/families/, listed in VISION_FAMILIES here) de
 - config(raw, text_hidden) -> its vision config;
 - tensor_shapes(vcfg) -> {name: shape} of its tower and projector (names as `rename` leaves
   them: `vision_tower.*`, `multi_modal_projector.*`, `visual.*`);
-- build(vcfg, weights) -> a VisionEncoder;
+- build(vcfg, weights) -> a VisionEncoder, whose encode is written once as work cut by tower
+  blocks (encode_steps.SteppedEncoder), so the engine can spread it over steps;
 - optionally adapt_decoder(vcfg, decoder): what its language model does beyond its text family
   (Qwen2.5-VL's M-RoPE).
 
@@ -33,6 +34,7 @@ from gapless.device import tune_allocator
 from gapless.kernels import resolve_dtype, select
 from gapless.model.config import ConfigError, ModelConfig
 from gapless.model.decoder import Decoder
+from gapless.model.encode_steps import EncodeSteps
 from gapless.model.families import gemma3_vision, llava, qwen2_5_vl
 from gapless.model.images import ImageProcessor, PreparedImage
 from gapless.model.loader import (
@@ -96,8 +98,18 @@ class VisionEncoder(Protocol):
         """How many placeholder tokens the image takes in the prompt."""
         ...
 
+    @property
+    def encode_units(self) -> int:
+        """Units of work an encode is cut into: its tower's blocks + 1 (encode_steps.py)."""
+        ...
+
+    def encode_steps(self, image: PreparedImage) -> EncodeSteps:
+        """The image's encode as resumable work, run a few units a step by the engine."""
+        ...
+
     def encode(self, image: PreparedImage) -> torch.Tensor:
-        """The image's embeddings [tokens, text hidden], in the decoder's dtype."""
+        """The image's embeddings [tokens, text hidden], in the decoder's dtype: its encode
+        steps run to the end."""
         ...
 
     def rope_positions(

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from gapless.kernels import Linear
+from gapless.model.encode_steps import EncodeWork, SteppedEncoder
 from gapless.model.families import vit
 from gapless.model.families.common import Shapes
 from gapless.model.families.gemma3 import GemmaNorm, gemma_norm
@@ -91,7 +92,7 @@ def tensor_shapes(cfg: Gemma3VisionConfig) -> Shapes:
 
 
 @dataclass
-class Gemma3Vision:
+class Gemma3Vision(SteppedEncoder):
     cfg: Gemma3VisionConfig
     tower: vit.Tower
     norm: GemmaNorm
@@ -116,9 +117,14 @@ class Gemma3Vision:
     def rope_positions(self, token_ids: list[int], images: list[PreparedImage]) -> None:
         return None  # an image's tokens rotate by their index, as text
 
-    def encode(self, image: PreparedImage) -> torch.Tensor:
-        """[tokens, text hidden]: the image's embeddings at its placeholder tokens."""
-        states = self.tower.forward(torch.from_numpy(image.pixels))  # [patches, hidden]
+    @property
+    def encode_units(self) -> int:
+        return self.cfg.tower.num_layers + 1
+
+    def _encode(self, image: PreparedImage) -> EncodeWork:
+        layers = (self.cfg.tower.num_layers,)
+        (last,) = yield from self.tower.states(torch.from_numpy(image.pixels), layers)
+        states = self.tower.post(last)  # [patches, hidden]
         side = self.cfg.tower.image_size // self.cfg.tower.patch_size
         kernel = side // round(self.cfg.tokens_per_image**0.5)
         grid = states.T.reshape(1, -1, side, side)

@@ -19,6 +19,7 @@ import torch
 
 from gapless.kernels import Linear
 from gapless.model.config import ConfigError
+from gapless.model.encode_steps import EncodeWork, SteppedEncoder
 from gapless.model.families import vit
 from gapless.model.families.common import Shapes, linear_shapes
 from gapless.model.images import PreparedImage
@@ -127,7 +128,7 @@ def tensor_shapes(cfg: LlavaConfig) -> Shapes:
 
 
 @dataclass
-class Llava:
+class Llava(SteppedEncoder):
     cfg: LlavaConfig
     tower: vit.Tower
     linear_1: Linear
@@ -143,9 +144,13 @@ class Llava:
     def rope_positions(self, token_ids: list[int], images: list[PreparedImage]) -> None:
         return None  # an image's tokens rotate by their index, as text
 
-    def encode(self, image: PreparedImage) -> torch.Tensor:
-        """[tokens, text hidden]: the image's embeddings at its placeholder tokens."""
-        states = self.tower.hidden_states(torch.from_numpy(image.pixels), self.cfg.feature_layers)
+    @property
+    def encode_units(self) -> int:
+        return max(self.cfg.feature_layers) + 1
+
+    def _encode(self, image: PreparedImage) -> EncodeWork:
+        pixels = torch.from_numpy(image.pixels)
+        states = yield from self.tower.states(pixels, self.cfg.feature_layers)
         features = torch.cat(states, dim=-1)
         if self.cfg.drop_class_token:  # as transformers, whatever the tower: SigLIP's first patch
             features = features[1:]

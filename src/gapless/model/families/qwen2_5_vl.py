@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from gapless.kernels import Linear
 from gapless.model.config import check_activation
 from gapless.model.decoder import Decoder, RMSNorm
+from gapless.model.encode_steps import EncodeWork, SteppedEncoder
 from gapless.model.families.common import Shapes, linear_shapes
 from gapless.model.images import PreparedImage
 
@@ -173,7 +174,7 @@ def windowed_attention(
 
 
 @dataclass
-class QwenVision:
+class QwenVision(SteppedEncoder):
     cfg: QwenVisionConfig
     patch_embed: Linear
     blocks: list[Block]
@@ -191,8 +192,12 @@ class QwenVision:
         _, rows, cols = image.grid  # type: ignore[misc]
         return rows * cols // self.cfg.merge_size**2
 
-    def encode(self, image: PreparedImage) -> torch.Tensor:
-        """[tokens, text hidden]: the image's embeddings at its placeholder tokens."""
+    @property
+    def encode_units(self) -> int:
+        return self.cfg.depth + 1
+
+    def _encode(self, image: PreparedImage) -> EncodeWork:
+        """The encode, yielding after each block (model/encode_steps.py)."""
         cfg, unit = self.cfg, self.cfg.merge_size**2
         _, rows, cols = image.grid  # type: ignore[misc]
         device = self.inv_freq.device
@@ -207,6 +212,7 @@ class QwenVision:
         patch_windows = [n * unit for n in windows]
         for i, block in enumerate(self.blocks):
             x = block.forward(x, rotation, whole if i in cfg.full_attention else patch_windows)
+            yield
         merged = self.merger_norm(x).view(-1, cfg.hidden_size * unit)
         out = self.merger_fc2(F.gelu(self.merger_fc1(merged)))
         return out[torch.argsort(order)]

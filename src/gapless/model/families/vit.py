@@ -14,7 +14,7 @@ checkpoints add removed (model/vision.py): `embeddings.*`, `pre_layrnorm.*`,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -162,20 +162,26 @@ class Tower:
         x = x + self.positions
         return x if self.pre_norm is None else self.pre_norm(x)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """The states after every layer built, then post_layernorm if built."""
-        x = self.embed(pixels)
-        for layer in self.layers:
-            x = layer.forward(x)
-        return x if self.post_norm is None else self.post_norm(x)
-
-    def hidden_states(self, pixels: torch.Tensor, after: tuple[int, ...]) -> list[torch.Tensor]:
+    def states(
+        self, pixels: torch.Tensor, after: tuple[int, ...]
+    ) -> Generator[None, None, list[torch.Tensor]]:
         """The states after each number of layers in `after` (0: the embeddings), as
-        transformers' hidden_states[i] (none of them post-normed)."""
-        states = [self.embed(pixels)]
-        for layer in self.layers[: max(after)]:
-            states.append(layer.forward(states[-1]))
-        return [states[i] for i in after]
+        transformers' hidden_states[i] (none of them post-normed), yielding after each layer: a
+        family's encode steps (model/encode_steps.py) take it with `yield from`, so the
+        embedding runs with the first layer."""
+        x = self.embed(pixels)
+        kept = {0: x} if 0 in after else {}
+        last = max(after)
+        for i, layer in enumerate(self.layers[:last], 1):
+            x = layer.forward(x)
+            if i in after:
+                kept[i] = x
+            yield
+        return [kept[i] for i in after]
+
+    def post(self, x: torch.Tensor) -> torch.Tensor:
+        """post_layernorm, if built."""
+        return x if self.post_norm is None else self.post_norm(x)
 
 
 def build(cfg: VitConfig, w: Weights, prefix: str, num_layers: int, post_norm: bool) -> Tower:
