@@ -198,7 +198,7 @@ def stall_round(engine: Engine, timer: EncodeTimer, seed: int) -> dict[str, floa
         if len(timer.spans) > encodes:
             encode_steps.append((elapsed, timer.spans[-1][2]))
             encodes = len(timer.spans)
-        elif prompt_tokens == CHUNK or (engine.cost_model is not None and prompt_tokens):
+        elif prompt_tokens == CHUNK or (engine.config.target_itl_ms is not None and prompt_tokens):
             chunk_steps.append(elapsed)
         if any(isinstance(e, TokenEvent) and e.request_id == intruder for e in events):
             answered = time.perf_counter()

@@ -218,8 +218,8 @@ def test_an_encode_cut_unit_by_unit_gives_the_whole_encodes_embeddings(vlm, name
 @pytest.mark.parametrize("name", MAKERS)
 def test_an_encode_cut_across_steps_beside_decodes_gives_the_same_tokens(vlm, name: str) -> None:
     """With 4-token chunks, each image's encode runs a unit or so a step while three streams
-    decode, every step; no step runs more units than the rule allows (the image's placeholder
-    tokens over its units each, one at least when the image is first in line); the image's
+    decode, every step; no step runs more units than the rule allows (the encode's price over
+    its units each, one at least when the image is first in line); the image's
     tokens wait for its encode; the tokens equal an uncut run's."""
     path = vlm(name)
     ids, images = two_image_prompt(), IMAGES[:2]
@@ -229,9 +229,19 @@ def test_an_encode_cut_across_steps_beside_decodes_gives_the_same_tokens(vlm, na
     streams = [engine.add_request(prompt(3, seed=10 + i), params) for i in range(3)]
     for _ in range(3):
         engine.step()  # the streams' prompts are done; they decode from here
-    ran: list[tuple[int, int]] = []
-    encode = engine.runner.encode
-    engine.runner.encode = lambda chunk: (ran.extend(chunk.encodes), encode(chunk))[1]
+    # Each encode priced at its placeholder tokens (the rule until the cost model has fitted
+    # one): the fitted price follows the machine's timings, and this test the cutting.
+    engine.scheduler.encode_cost = lambda tokens, start: tokens
+    ran: list[tuple[int, int, int]] = []  # image, units run, the image's encode price
+    encode, price = engine.runner.encode, engine.scheduler.encode_cost
+
+    def spy(chunk):
+        for i, units in chunk.encodes:
+            length = chunk.request.images[i].length
+            ran.append((i, units, price(length, chunk.request.num_computed)))
+        return encode(chunk)
+
+    engine.runner.encode = spy
     checked = engine.admission.check_prompt(ids, images=[png(i) for i in images])
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     mine = engine.add_request(checked, params)
@@ -244,9 +254,9 @@ def test_an_encode_cut_across_steps_beside_decodes_gives_the_same_tokens(vlm, na
             if e.request_id == mine and isinstance(e, TokenEvent):
                 tokens += e.token_ids
             finished |= e.request_id == mine and isinstance(e, FinishedEvent)
-        for i, units in ran:
+        for i, units, cost in ran:
             image = checked.images[i]
-            assert units <= max(1, 4 // -(-image.length // image.units))
+            assert units <= max(1, 4 // -(-cost // image.units))
             cut += units < image.units
         for req in engine.scheduler.running:
             for i in req.image_encodes:  # an encode in progress: none of its tokens computed
@@ -302,6 +312,22 @@ def test_under_a_latency_target_each_encode_is_timed_as_its_own_cost(vlm) -> Non
     per_unit = placed[0].length / placed[0].units  # the two images are alike
     assert all((n / per_unit).is_integer() for n in observed)
     assert sum(observed) == sum(p.length for p in placed)
+
+
+def test_without_a_target_encodes_are_priced_by_the_cost_model(vlm) -> None:
+    """A vision-language engine keeps a cost model without a latency target, and the
+    scheduler charges encodes its price (placeholder tokens until it has fitted one); the
+    chunk budget stays the fixed one, and the tokens are unchanged."""
+    path = vlm("llava")
+    ids, images = two_image_prompt(), IMAGES[:2]
+    want = run(engine_of(path, chunk=16), ids, images)
+    engine = engine_of(path, chunk=16)
+    model = engine.cost_model
+    assert model is not None and engine.scheduler.encode_cost == model.encode_cost
+    assert engine.scheduler.prefill_budget is None  # no target: chunks stay 16 tokens
+    for _ in range(3):
+        assert run(engine, ids, images) == want
+    assert model.trained
 
 
 def test_text_only_model_refuses_images(tmp_path: Path) -> None:

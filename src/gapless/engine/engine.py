@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -249,14 +250,19 @@ class Engine:
             log.warning("this model runner cannot prefill in chunks: prefilling every prompt whole")
         self.cost_model: StepCostModel | None = None
         budget = encode_cost = None
-        if config.target_itl_ms is not None:
+        target = config.target_itl_ms
+        if target is not None or vision is not None:
+            # With images the fit prices an encode in prompt tokens, with a latency target or
+            # without: a tower block costs as many as a few hundred of them on a CPU, where its
+            # placeholder tokens' share said ~30 (docs/vision.md).
             self.cost_model = StepCostModel(
-                config.target_itl_ms / 1000,
+                math.inf if target is None else target / 1000,
                 min(scheduling.prefill_chunk, LEARNING_CHUNK),
                 scheduling.idle_prefill_chunk,
             )
-            budget = self.cost_model.prefill_budget
             encode_cost = self.cost_model.encode_cost
+            if target is not None:
+                budget = self.cost_model.prefill_budget
         self.scheduler = Scheduler(
             scheduling,
             self.pool,
