@@ -15,8 +15,9 @@ Each step is one hybrid batch:
    An image the chunk reaches unencoded is encoded a few units at a time (its tower's
    blocks, + 1 for its projector: model/encode_steps.py), before the step's forward. Each
    unit is charged against the budget as the image's encode cost over its units, rounded up
-   (the cost: `encode_cost`, the cost model's estimate of its time in prompt tokens under a
-   latency target, else its placeholder tokens); the step runs the units the budget leaves
+   (the cost: `encode_cost`, the cost model's estimate of its time in prompt tokens, which
+   it keeps for a vision-language model with or without a latency target; its placeholder
+   tokens until it has timed an encode); the step runs the units the budget leaves
    after the chunk's text before the image. The chunk stops before an image whose encode
    does not complete in the step (a chunk of 0 tokens only encodes), and takes what the
    budget leaves once it completes. A chunk that starts at an image its budget affords no
