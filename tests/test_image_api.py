@@ -452,3 +452,19 @@ def test_gemma3s_image_mark_is_rewritten_as_its_processor_does(tmp_path: Path) -
         while engine.has_work:
             ids += [t for e in engine.step() if isinstance(e, TokenEvent) for t in e.token_ids]
         assert reply.json()["choices"][0]["message"]["content"] == tokenizer.decode(ids)
+
+
+def test_an_image_outside_a_user_turn_is_refused(server: RunningServer) -> None:
+    """Chat templates place images in user turns: elsewhere a 400 names the message."""
+    image = openai_image(RED_DISK)
+    assistant = {"role": "assistant", "content": [image]}
+    openai_body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}, assistant]}
+    ollama_message = {"role": "assistant", "content": "", "images": [_b64(RED_DISK)]}
+    ollama_body = {"model": MODEL, "messages": [ollama_message], "stream": False}
+    with server.client() as client:
+        r = client.post("/v1/chat/completions", json=openai_body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].content"
+        assert "images are taken in user messages" in r.json()["error"]["message"]
+        r = client.post("/api/chat", json=ollama_body)
+        assert r.status_code == 400
+        assert r.json()["error"].startswith("messages[0].images: images are taken in user")

@@ -136,6 +136,12 @@ def check_images(admission: Admission, images: list[SentImage]) -> CheckedImages
         raise invalid(str(e), param, e.code) from e
 
 
+def check_user_images(role: str, images: list[SentImage], param: str) -> None:
+    """Images come in user turns only: chat templates place them there."""
+    if images and role != "user":
+        raise invalid(f"images are taken in user messages, not in a {role} message", param)
+
+
 @dataclass
 class MessageContent:
     """One message's content in order, text and images, as the chat template takes it."""

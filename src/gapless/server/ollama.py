@@ -47,7 +47,13 @@ from gapless.server.endpoint import (
     ndjson,
     read_json,
 )
-from gapless.server.images import MessageContent, SentImage, check_images, decode_base64
+from gapless.server.images import (
+    MessageContent,
+    SentImage,
+    check_images,
+    check_user_images,
+    decode_base64,
+)
 from gapless.server.openai_embeddings import BATCH_CONTEXTS, MAX_INPUTS, check_dimensions
 from gapless.server.openai_embeddings import check_prompts as check_embedding_prompts
 from gapless.server.protocol import APIError, bool_field, invalid, str_field
@@ -199,11 +205,7 @@ def _messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[SentImag
         if not isinstance(message.get("content", ""), str):
             raise invalid("content must be a string", f"messages[{i}].content")
         own = _images(message.get("images"), f"messages[{i}].images")
-        if own and message["role"] != "user":
-            raise invalid(
-                f"images are taken in user messages, not in a {message['role']} message",
-                f"messages[{i}].images",
-            )
+        check_user_images(message["role"], own, f"messages[{i}].images")
         images += own
         out.append(protocol.template_message(_with_images(message, own), f"messages[{i}]"))
     return out, images

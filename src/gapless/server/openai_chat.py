@@ -18,7 +18,13 @@ from gapless.engine.structured import GrammarCompiler
 from gapless.model.tokenizer import Tokenizer
 from gapless.server import protocol, tool_calls
 from gapless.server.endpoint import FieldNames, ServerState, generate, read_json
-from gapless.server.images import ImageReader, MessageContent, SentImage, check_images
+from gapless.server.images import (
+    ImageReader,
+    MessageContent,
+    SentImage,
+    check_images,
+    check_user_images,
+)
 from gapless.server.openai_common import (
     Choice,
     OpenAIRenderer,
@@ -92,8 +98,7 @@ def _messages(
         if message.get("content") is None and role != "assistant":
             raise invalid(f"a {role} message needs content", param)
         content = _content(message.get("content"), param, reader)
-        if content.images and role != "user":
-            raise invalid(f"images are taken in user messages, not in a {role} message", param)
+        check_user_images(role, content.images, param)
         images += content.images
         # `developer` is OpenAI's newer name for `system`; chat templates know only the latter.
         converted = {**message, "role": "system" if role == "developer" else role}
