@@ -20,7 +20,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QType
-from safetensors.numpy import load_file
+from safetensors.torch import load_file
 
 from gapless.model.families import family_of
 from gapless.model.gguf import gguf_name
@@ -199,7 +199,8 @@ def write_gguf(
     rng = np.random.default_rng(0)
     tensors: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}  # stacked by llama.cpp into one 3-D tensor
-    checkpoint = load_file(ckpt / "model.safetensors")
+    # float32 numpy: a bf16 checkpoint (the bench model's) has no numpy dtype
+    checkpoint = {k: v.float().numpy() for k, v in load_file(ckpt / "model.safetensors").items()}
     if arch == "gpt-oss":
         checkpoint = split_gpt_oss_experts(checkpoint)
     for hf_name, w in checkpoint.items():
