@@ -41,7 +41,7 @@ def prefill_rate(engine, vocab: int, tokens: int, seed: int) -> float:
 
 def stall_probe(engine, vocab: int, seed: int) -> dict[str, float]:
     spec = WorkloadSpec(
-        "stall", seed=seed, vocab_size=vocab, stream_tokens=256, long_tokens=4096, long_at=1.0
+        "stall", seed=seed, vocab_size=vocab, stream_tokens=512, long_tokens=4096, long_at=0.5
     )
     records, _ = run_engine(engine, build_workload(spec))
     streams = [r.token_s for r in records if r.tag != "long"]
@@ -63,7 +63,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     engine = engine_for(args.model, shlex.split(args.flags))
-    vocab = engine.runner.decoder.config.vocab_size
+    vocab = engine.admission.token_vocab_size
     print(
         json.dumps(
             {

@@ -167,6 +167,22 @@ def test_mm_equals_linear_on_the_dequantized_weight(ext, qtype, m):
     assert_close_to_sums(got, want, x, w, 1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mm_epilogues_equal_the_ops_after_the_product(ext, dtype):
+    """silu and times are applied to each tile's columns inside mm (the MLP's gate and up);
+    on a weight of several tiles per thread they equal the ops run on the whole product, up
+    to the last bit (a strided tile and the whole product vectorize differently)."""
+    qtype, rows, cols = 2, 700, 96
+    b = weight(qtype, rows, cols)
+    x = torch.randn(40, cols).to(dtype)
+    other = torch.randn(40, rows).to(dtype)
+    product = ext.mm(x, b, qtype)
+    torch.testing.assert_close(ext.mm(x, b, qtype, silu=True), F.silu(product))
+    torch.testing.assert_close(ext.mm(x, b, qtype, times=other), product * other)
+    with pytest.raises(RuntimeError, match=r"times must be \[M, N\]"):
+        ext.mm(x, b, qtype, times=other[:, :-1])
+
+
 def test_mm_runs_in_inference_mode(ext):
     """The decoder's forward runs in inference mode, which mm's worker threads must share
     to write its output."""

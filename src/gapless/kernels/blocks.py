@@ -82,8 +82,15 @@ def gemv(
 
 
 def mm(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: int, interleaved: bool = False
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: int,
+    interleaved: bool = False,
+    silu: bool = False,
+    times: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x float32 or bfloat16 [M, K] times the blocks' [N, K] transposed, in x's dtype, for
-    many rows (prompt chunks): a tile of weight rows dequantized at a time."""
-    return extension().mm(x, blocks, qtype, interleaved)  # type: ignore[union-attr]
+    many rows (prompt chunks): a tile of weight rows dequantized at a time. silu: silu of the
+    product; times [M, N]: the product times it (the MLP's epilogues, fused)."""
+    ext = extension()
+    return ext.mm(x, blocks, qtype, interleaved, silu, times)  # type: ignore[union-attr]

@@ -201,20 +201,34 @@ class BlockLinear:
         self.dense_dtype = dense_dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if x.shape[0] <= self.gemv_max_rows:
-            y = blocks.gemv(as_dtype(x, torch.float32), w.blocks, w.qtype, w.interleaved)
-        else:
-            dtype = self.dense_dtype or x.dtype
-            y = blocks.mm(as_dtype(x, dtype), w.blocks, w.qtype, w.interleaved)
-        y = as_dtype(y, x.dtype)
-        return y if self.bias is None else y + self.bias
+        return as_dtype(self._product(x), x.dtype)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
-        return F.silu(self(x))
+        return self._product(x, silu=True)
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        return self(x) * other
+        return self._product(x, times=other)
+
+    def _product(
+        self, x: torch.Tensor, silu: bool = False, times: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x @ weight.T + bias, then the epilogue, in the dtype it was computed in: the MLP's
+        gated product stays there (bf16 on prompt chunks) until `down`, and on prompt chunks
+        the kernel applies the epilogue tile by tile, as the dense linear does."""
+        w = self.weight
+        if x.shape[0] > self.gemv_max_rows and self.bias is None:
+            x = as_dtype(x, self.dense_dtype or x.dtype)
+            times = None if times is None else as_dtype(times, x.dtype)
+            return blocks.mm(x, w.blocks, w.qtype, w.interleaved, silu, times)
+        if x.shape[0] > self.gemv_max_rows:
+            y = blocks.mm(
+                as_dtype(x, self.dense_dtype or x.dtype), w.blocks, w.qtype, w.interleaved
+            )
+        else:
+            y = blocks.gemv(as_dtype(x, torch.float32), w.blocks, w.qtype, w.interleaved)
+        y = y if self.bias is None else y + self.bias
+        y = F.silu(y) if silu else y
+        return y if times is None else y * times
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -262,7 +262,10 @@ at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype,
   return out;
 }
 
-at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, bool interleaved) {
+// The MLP's epilogues, applied to each tile's output columns while they are in cache, as the
+// dense oneDNN linear fuses them: silu(y), or y * times.
+at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, bool interleaved,
+              bool silu, const std::optional<at::Tensor>& times) {
   TORCH_CHECK((x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) &&
                   x_in.dim() == 2,
               "mm takes float32 or bfloat16 activations [M, K]");
@@ -270,6 +273,8 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, b
   const int64_t k = x.size(1);
   const Weight w(block_type(qtype), blocks, k, interleaved);
   const int64_t n = blocks.size(0);
+  TORCH_CHECK(!times || (times->size(0) == x.size(0) && times->size(1) == n),
+              "mm's times must be [M, N]");
   // Each thread takes an even share of the rows and walks it in tiles of at most 256 rows
   // (~0.5-2.5 MB of bf16): it dequantizes a tile into its buffer and runs the GEMM there,
   // single-threaded (ATen's ops are, inside parallel_for). Smaller tiles lose to the GEMM's
@@ -298,6 +303,8 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, b
         dequantize_rows(w, r0, r1, k, x.scalar_type(), buffer.data_ptr(), scratch.data(), bytes);
         at::Tensor dst = out.narrow(1, r0, r1 - r0);  // out[:, r0:r1] = x @ tile^T, in place
         at::mm_out(dst, x, buffer.narrow(0, 0, r1 - r0).t());
+        if (silu) at::silu_(dst);
+        if (times) dst.mul_(times->narrow(1, r0, r1 - r0));
       }
     }
   });
@@ -325,7 +332,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "x float32 [M, K] times GGUF blocks [N, row bytes]^T, via 8-bit x",
         arg("x"), arg("blocks"), arg("qtype"), arg("interleaved") = false);
   m.def("mm", &mm, "x [M, K] times GGUF blocks^T, a dequantized tile of rows at a time",
-        arg("x"), arg("blocks"), arg("qtype"), arg("interleaved") = false);
+        arg("x"), arg("blocks"), arg("qtype"), arg("interleaved") = false, arg("silu") = false,
+        arg("times") = pybind11::none());
   register_step_ops(m);
   register_expert_ops(m);
 }
