@@ -61,9 +61,9 @@ def main() -> None:
     args = p.parse_args()
     if args.type == "Q4_K_M":
         cfg = json.loads((args.ckpt / "config.json").read_text())
-        write_gguf(args.ckpt, args.out, QType.Q4_K, mix=q4_k_m_mix(cfg))
+        write_gguf(args.ckpt, args.out, QType.Q4_K, mix=q4_k_m_mix(cfg), pad_vocab=True)
     else:
-        write_gguf(args.ckpt, args.out, QType[args.type])
+        write_gguf(args.ckpt, args.out, QType[args.type], pad_vocab=True)
     print(args.out)
 
 

@@ -100,17 +100,24 @@ def add_tensor(
         writer.add_tensor(name, blocks, raw_dtype=qtype)
 
 
-def add_byte_level_tokenizer(writer: gguf.GGUFWriter, ckpt: Path, pre: str) -> None:
+def add_byte_level_tokenizer(
+    writer: gguf.GGUFWriter, ckpt: Path, pre: str, pad_to: int | None = None
+) -> None:
+    """pad_to: the token list padded with unused `[PAD{i}]` tokens to this many, as llama.cpp's
+    converter pads it to the embedding's rows (llama.cpp refuses a file whose token count and
+    embedding rows differ)."""
     spec = json.loads((ckpt / "tokenizer.json").read_text(encoding="utf-8"))
     config = json.loads((ckpt / "tokenizer_config.json").read_text(encoding="utf-8"))
     vocab = dict(spec["model"]["vocab"])
     special = {t["content"] for t in spec["added_tokens"] if t["special"]}
     vocab |= {t["content"]: t["id"] for t in spec["added_tokens"]}
     tokens = sorted(vocab, key=vocab.get)
+    types = [3 if t in special else 1 for t in tokens]
+    padding = range(len(tokens), pad_to or len(tokens))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_token_list(tokens + [f"[PAD{i}]" for i in padding])
+    writer.add_token_types(types + [5] * len(padding))
     writer.add_token_merges([" ".join(m) for m in spec["model"]["merges"]])
     writer.add_bos_token_id(vocab[config["bos_token"]])
     writer.add_eos_token_id(vocab[config["eos_token"]])
@@ -147,10 +154,12 @@ def write_gguf(
     pre: str = "gpt-2",
     drop: Iterable[str] = (),
     mix: dict[str, QType] | None = None,
+    pad_vocab: bool = False,
 ) -> Path:
     """Write checkpoint `ckpt` as GGUF file `out`, 2-D weights in `qtype`, without `drop`.
     mix: the type of the tensors whose GGUF name contains a key (e.g. {"attn_v": Q6_K}), as a
-    Q4_K_M file gives some tensors more bits."""
+    Q4_K_M file gives some tensors more bits. pad_vocab: the token list padded to the
+    config's vocab_size (see add_byte_level_tokenizer), so that llama.cpp loads the file."""
     cfg = json.loads((ckpt / "config.json").read_text())
     arch = _ARCH[cfg["architectures"][0]]
     family = family_of(cfg["architectures"][0])
@@ -193,7 +202,7 @@ def write_gguf(
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
     elif scaling.get("rope_type", "default") != "default":
         raise ValueError(f"this writer does not write rope scaling {scaling}")
-    add_byte_level_tokenizer(writer, ckpt, pre)
+    add_byte_level_tokenizer(writer, ckpt, pre, cfg["vocab_size"] if pad_vocab else None)
 
     drop = set(drop)
     rng = np.random.default_rng(0)
