@@ -3,7 +3,7 @@ and the K-quant types (256 values a block). Dequantize equals the `gguf` package
 bit; the decode product (gemv, against activations quantized as ggml does for the type's
 block size: Q8_0 per 32, Q8_K per 256) equals F.linear on those activations up to float32
 rounding; the prompt-chunk product (mm) equals F.linear on the dequantized weight. Rows
-interleaved by 16 (Q4_0, Q4_1, Q8_0) give the same products as the file's layout. The
+interleaved by 16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) give the same products as the file's layout. The
 step's small ops in the same build (RMSNorm, rope, the KV-cache write) equal the torch ops
 they replace. Each case runs on every build this CPU can run: native (AVX-512 VNNI here),
 AVX2 only, and the portable one with no ISA flags."""
@@ -219,7 +219,7 @@ def test_the_wrappers_run_the_native_build(qtype):
     assert_close_to_sums(blocks.mm(x, b, qtype), F.linear(x, w), x, w, 1e-5)
 
 
-INTERLEAVED = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+INTERLEAVED = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
 
 
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=INTERLEAVED.values())
@@ -256,8 +256,8 @@ def test_only_whole_groups_of_the_interleaved_types_interleave(ext):
     assert [t for t in TYPES if ext.can_interleave(t)] == list(INTERLEAVED)
     with pytest.raises(RuntimeError, match="Q4_0 blocks cannot be interleaved"):
         ext.interleave(weight(2, 40, 64), 2, 64)  # 40 rows: not whole groups of 16
-    with pytest.raises(RuntimeError, match="Q5_0 blocks cannot be interleaved"):
-        ext.interleave(weight(6, 32, 64), 6, 64)
+    with pytest.raises(RuntimeError, match="IQ4_NL blocks cannot be interleaved"):
+        ext.interleave(weight(20, 32, 64), 20, 64)
 
 
 def test_an_interleaved_weight_multiplies_and_gathers_rows_only():

@@ -212,7 +212,7 @@ struct Q4_1T {
 };
 
 struct Q5_0T {
-  static constexpr int64_t kCodeBytes = 0;  // interleaved: see gguf_blocks.h
+  static constexpr int64_t kCodeBytes = 20;  // qh then qs; interleaved: see gguf_blocks.h
   static constexpr int64_t kBytes = 22;
   static constexpr int kCentre = 16;
   static constexpr bool kHasMin = false, kSignedAvx2 = false;
@@ -232,7 +232,7 @@ struct Q5_0T {
 };
 
 struct Q5_1T {
-  static constexpr int64_t kCodeBytes = 0;  // interleaved: see gguf_blocks.h
+  static constexpr int64_t kCodeBytes = 20;  // qh then qs; interleaved: see gguf_blocks.h
   static constexpr int64_t kBytes = 24;
   static constexpr int kCentre = 0;
   static constexpr bool kHasMin = true, kSignedAvx2 = false;
@@ -474,14 +474,29 @@ constexpr int64_t kGroupBlockBytes = kGroupRows * T::kBytes;
 #if defined(GGUF_VNNI)
 // All 16 rows in one vector. Q8_0's codes are taken unsigned (code + 128), its centre folded
 // out through s like Q4_0's 8: d (dx sum(u q) - centre s), or for Q4_1 d dx sum(u q) + m s.
+// Which bytes of u[j] (codes 4j .. 4j + 3 of each row's lane) have their fifth bit set: bits
+// 4j .. 4j + 3 of the lane's 32 qh bits, byte j / 2 of it, spread to the lane's 4 bytes.
+inline __mmask64 fifth_bits_group(__m512i qh, int j) {
+  const __m512i lane_base = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);
+  const __m512i bytes = _mm512_shuffle_epi8(qh, _mm512_add_epi8(lane_base, _mm512_set1_epi8(j / 2)));
+  const uint32_t bit = 0x08040201u << (4 * (j % 2));  // byte k: bit 4 (j % 2) + k
+  return _mm512_test_epi8_mask(bytes, _mm512_set1_epi32(static_cast<int32_t>(bit)));
+}
+
 template <class T>
 inline void group_codes(const uint8_t* codes, __m512i* u) {
   const __m512i low = _mm512_set1_epi8(0x0f);
-  if constexpr (T::kCodeBytes == 16) {
+  if constexpr (T::kCodeBytes == 16 || T::kCodeBytes == 20) {
+    const uint8_t* qs = codes + (T::kCodeBytes - 16) * kGroupRows;  // after Q5's qh
     for (int c = 0; c < 4; ++c) {
-      const __m512i w = _mm512_loadu_si512(codes + 64 * c);
+      const __m512i w = _mm512_loadu_si512(qs + 64 * c);
       u[c] = _mm512_and_si512(w, low);
       u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+    }
+    if constexpr (T::kCodeBytes == 20) {
+      const __m512i qh = _mm512_loadu_si512(codes), sixteen = _mm512_set1_epi8(16);
+      for (int j = 0; j < 8; ++j)
+        u[j] = _mm512_mask_add_epi8(u[j], fifth_bits_group(qh, j), u[j], sixteen);
     }
   } else {
     for (int c = 0; c < 8; ++c)
@@ -543,11 +558,24 @@ void dot_group_fixed(const uint8_t* group, const ActQ8* a, int64_t act_stride, f
       };
       const __m256 d = f16x8(2 * kHalf * h);
       __m256i u[8];
-      if constexpr (T::kCodeBytes == 16) {
+      if constexpr (T::kCodeBytes != 32) {
+        const uint8_t* qs = codes + (T::kCodeBytes - 16) * kGroupRows;  // after Q5's qh
         for (int c = 0; c < 4; ++c) {
-          const __m256i w = load32(codes + 64 * c + 32 * h);
+          const __m256i w = load32(qs + 64 * c + 32 * h);
           u[c] = _mm256_and_si256(w, low);
           u[c + 4] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        }
+        if constexpr (T::kCodeBytes == 20) {  // the fifth bits, as fifth_bits_group
+          const __m256i qh = load32(codes + 32 * h);
+          const __m256i lane_base = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0,
+                                                      0x04040404, 0x08080808, 0x0C0C0C0C);
+          for (int j = 0; j < 8; ++j) {
+            const __m256i bytes =
+                _mm256_shuffle_epi8(qh, _mm256_add_epi8(lane_base, _mm256_set1_epi8(j / 2)));
+            const __m256i bit = _mm256_set1_epi32(static_cast<int32_t>(0x08040201u << (4 * (j % 2))));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+            u[j] = _mm256_or_si256(u[j], _mm256_and_si256(set, _mm256_set1_epi8(16)));
+          }
         }
       } else {
         for (int c = 0; c < 8; ++c) u[c] = load32(codes + 64 * c + 32 * h);
@@ -560,7 +588,7 @@ void dot_group_fixed(const uint8_t* group, const ActQ8* a, int64_t act_stride, f
           std::memcpy(&q4, x.q + 4 * j, sizeof q4);
           const __m256i q = _mm256_set1_epi32(q4);
           __m256i pairs;
-          if constexpr (T::kCodeBytes == 16)
+          if constexpr (T::kCodeBytes != 32)  // u at most 31: pairs fit int16
             pairs = _mm256_maddubs_epi16(u[j], q);
           else
             pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(u[j]), _mm256_sign_epi8(q, u[j]));
@@ -570,7 +598,7 @@ void dot_group_fixed(const uint8_t* group, const ActQ8* a, int64_t act_stride, f
         if constexpr (T::kHasMin) {
           const __m256 m = f16x8(2 * kGroupRows + 2 * kHalf * h);
           acc[r][h] = _mm256_fmadd_ps(d, dot, _mm256_fmadd_ps(m, _mm256_set1_ps(x.s), acc[r][h]));
-        } else if constexpr (T::kCodeBytes == 16) {
+        } else if constexpr (T::kCodeBytes != 32) {
           const __m256 centred = _mm256_sub_ps(dot, _mm256_set1_ps(T::kCentre * x.s));
           acc[r][h] = _mm256_fmadd_ps(d, centred, acc[r][h]);
         } else {
