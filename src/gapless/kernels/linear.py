@@ -179,9 +179,9 @@ class BlockLinear:
     and nothing more. Larger batches (prompt chunks) dequantize one tile of rows at a time
     into `dense_dtype` (None: the activations') and multiply there.
 
-    With `interleave`, the types our kernels interleave (Q4_0, Q4_1, Q8_0) are held with
-    their rows interleaved by 16 instead of the file's layout, in place of it: the same
-    bytes, on which a decode step unpacks and scales 16 rows per vector instruction.
+    With `interleave`, the types our kernels interleave (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are
+    held with their rows interleaved by 16 instead of the file's layout, in place of it: the
+    same bytes, on which a decode step unpacks and scales 16 rows per vector instruction.
     """
 
     def __init__(
