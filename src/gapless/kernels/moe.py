@@ -17,15 +17,13 @@ reason the chosen experts' linears run in one parallel region, each on one threa
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from gapless.kernels import blocks
+from gapless.kernels import blocks, step_ops
 from gapless.kernels.linear import Linear, PackedLinear
-from gapless.kernels.probe import step_ops_work
 
 Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -37,11 +35,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def run_each(linears: list[Linear], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """linears[i](inputs[i]) for each i: in one parallel region, each on one thread, where
     every weight is oneDNN-packed on the CPU (expert_ops.cpp says why), else one by one."""
-    if (
-        all(isinstance(linear, PackedLinear) for linear in linears)
-        and os.environ.get("GAPLESS_KERNELS") != "fallback"
-        and step_ops_work()
-    ):
+    if all(isinstance(linear, PackedLinear) for linear in linears) and step_ops.switched_on():
         weights = [linear.weight for linear in linears]
         biases = [linear.bias for linear in linears]
         return blocks.extension().packed_linears(inputs, weights, biases)  # type: ignore[union-attr]

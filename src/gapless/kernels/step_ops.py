@@ -24,15 +24,15 @@ MAX_ROWS = 16
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+def switched_on() -> bool:
+    """Our step-op build works here and GAPLESS_KERNELS=fallback is not set (checked per
+    call: the switch may change)."""
+    return os.environ.get("GAPLESS_KERNELS") != "fallback" and step_ops_work()
+
+
 def _ours(x: torch.Tensor) -> ModuleType | None:
-    """Our kernels, where they take x (checked per call: the fallback switch may change)."""
-    if (
-        x.device.type == "cpu"
-        and x.shape[0] <= MAX_ROWS
-        and x.dtype in DTYPES
-        and os.environ.get("GAPLESS_KERNELS") != "fallback"
-        and step_ops_work()
-    ):
+    """Our kernels, where they take x."""
+    if x.device.type == "cpu" and x.shape[0] <= MAX_ROWS and x.dtype in DTYPES and switched_on():
         return blocks.extension()
     return None
 
