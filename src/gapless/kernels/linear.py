@@ -216,16 +216,14 @@ class BlockLinear:
         gated product stays there (bf16 on prompt chunks) until `down`, and on prompt chunks
         the kernel applies the epilogue tile by tile, as the dense linear does."""
         w = self.weight
-        if x.shape[0] > self.gemv_max_rows and self.bias is None:
-            x = as_dtype(x, self.dense_dtype or x.dtype)
-            times = None if times is None else as_dtype(times, x.dtype)
-            return blocks.mm(x, w.blocks, w.qtype, w.interleaved, silu, times)
-        if x.shape[0] > self.gemv_max_rows:
-            y = blocks.mm(
-                as_dtype(x, self.dense_dtype or x.dtype), w.blocks, w.qtype, w.interleaved
-            )
-        else:
+        if x.shape[0] <= self.gemv_max_rows:
             y = blocks.gemv(as_dtype(x, torch.float32), w.blocks, w.qtype, w.interleaved)
+        else:
+            x = as_dtype(x, self.dense_dtype or x.dtype)
+            if self.bias is None:  # nothing comes between the product and the epilogue
+                times = None if times is None else as_dtype(times, x.dtype)
+                return blocks.mm(x, w.blocks, w.qtype, w.interleaved, silu, times)
+            y = blocks.mm(x, w.blocks, w.qtype, w.interleaved)
         y = y if self.bias is None else y + self.bias
         y = F.silu(y) if silu else y
         return y if times is None else y * times
