@@ -472,10 +472,9 @@ template <class T>
 constexpr int64_t kGroupBlockBytes = kGroupRows * T::kBytes;
 
 #if defined(GGUF_VNNI)
-// All 16 rows in one vector. Q8_0's codes are taken unsigned (code + 128), its centre folded
-// out through s like Q4_0's 8: d (dx sum(u q) - centre s), or for Q4_1 d dx sum(u q) + m s.
-// Which bytes of u[j] (codes 4j .. 4j + 3 of each row's lane) have their fifth bit set: bits
-// 4j .. 4j + 3 of the lane's 32 qh bits, byte j / 2 of it, spread to the lane's 4 bytes.
+// Q5's fifth bits: which bytes of u[j] (codes 4j .. 4j + 3 of each row's lane) have theirs
+// set: bits 4j .. 4j + 3 of the lane's 32 qh bits, byte j / 2 of it, spread to the lane's 4
+// bytes.
 inline __mmask64 fifth_bits_group(__m512i qh, int j) {
   const __m512i lane_base = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);
   const __m512i bytes = _mm512_shuffle_epi8(qh, _mm512_add_epi8(lane_base, _mm512_set1_epi8(j / 2)));
@@ -483,6 +482,8 @@ inline __mmask64 fifth_bits_group(__m512i qh, int j) {
   return _mm512_test_epi8_mask(bytes, _mm512_set1_epi32(static_cast<int32_t>(bit)));
 }
 
+// All 16 rows in one vector. Q8_0's codes are taken unsigned (code + 128), its centre folded
+// out through s like Q4_0's 8: d (dx sum(u q) - centre s), or for Q4_1 d dx sum(u q) + m s.
 template <class T>
 inline void group_codes(const uint8_t* codes, __m512i* u) {
   const __m512i low = _mm512_set1_epi8(0x0f);
@@ -540,6 +541,17 @@ void dot_group_fixed(const uint8_t* group, const ActQ8* a, int64_t act_stride, f
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * out_stride, acc[r]);
 }
 #else
+// fifth_bits_group for 8 rows: 16 in each byte of u[j] whose code has its fifth bit set.
+inline __m256i fifth_bits_half(__m256i qh, int j) {
+  const __m256i lane_base = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0,
+                                              0x04040404, 0x08080808, 0x0C0C0C0C);
+  const __m256i bytes =
+      _mm256_shuffle_epi8(qh, _mm256_add_epi8(lane_base, _mm256_set1_epi8(j / 2)));
+  const __m256i bit = _mm256_set1_epi32(static_cast<int32_t>(0x08040201u << (4 * (j % 2))));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
 // Two vectors of 8 rows. Without VNNI, maddubs sums pairs in int16: Q4's u (at most 15)
 // fit, Q8_0's codes go signed (|code| times sign-adjusted q), with no centre.
 template <class T, int R>
@@ -565,17 +577,9 @@ void dot_group_fixed(const uint8_t* group, const ActQ8* a, int64_t act_stride, f
           u[c] = _mm256_and_si256(w, low);
           u[c + 4] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
         }
-        if constexpr (T::kCodeBytes == 20) {  // the fifth bits, as fifth_bits_group
+        if constexpr (T::kCodeBytes == 20) {
           const __m256i qh = load32(codes + 32 * h);
-          const __m256i lane_base = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0,
-                                                      0x04040404, 0x08080808, 0x0C0C0C0C);
-          for (int j = 0; j < 8; ++j) {
-            const __m256i bytes =
-                _mm256_shuffle_epi8(qh, _mm256_add_epi8(lane_base, _mm256_set1_epi8(j / 2)));
-            const __m256i bit = _mm256_set1_epi32(static_cast<int32_t>(0x08040201u << (4 * (j % 2))));
-            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
-            u[j] = _mm256_or_si256(u[j], _mm256_and_si256(set, _mm256_set1_epi8(16)));
-          }
+          for (int j = 0; j < 8; ++j) u[j] = _mm256_or_si256(u[j], fifth_bits_half(qh, j));
         }
       } else {
         for (int c = 0; c < 8; ++c) u[c] = load32(codes + 64 * c + 32 * h);
