@@ -128,19 +128,28 @@ def test_cancel_during_verification_frees_both_pools_and_leaves_others_unchanged
     assert run.tokens[b] == plain.tokens[b_plain]
 
 
+def a_decodes_b_computed(
+    run: Run, a_tokens: int, b_prompt: int, b_tokens: int
+) -> tuple[str, str, Request]:
+    """A (a 12-token prompt) decodes for three steps, then B's b_prompt-token prompt arrives
+    and runs until its first token: the ids of A and B, and B's request."""
+    a = run.add(prompt(12, 1), greedy(a_tokens))
+    for _ in range(3):
+        run.step()
+    b = run.add(prompt(b_prompt, 2), greedy(b_tokens))
+    while b not in run.tokens:
+        run.step()
+    [req_b] = [r for r in run.engine.scheduler.running if r.request_id == b]
+    return a, b, req_b
+
+
 def test_a_long_prompt_catches_the_draft_up_in_chunks_of_the_step_budget(checkpoint):
     target = checkpoint("llama")
     engine = engine_of(target, speculate="draft", draft_model=str(target))
     forwards = draft_forwards(engine)
     run = Run(engine)
-    a = run.add(prompt(12, 1), greedy(400))
-    for _ in range(3):
-        run.step()
-    b = run.add(prompt(200, 2), greedy(64))
-    while b not in run.tokens:
-        run.step()
+    a, b, req_b = a_decodes_b_computed(run, 400, 200, 64)
     # B's prompt is computed: now the draft reads it, while A decodes every step.
-    [req_b] = [r for r in engine.scheduler.running if r.request_id == b]
     first = len(forwards)
     steps = 0
     while engine.draft.unseen(req_b) > 2:
@@ -159,13 +168,7 @@ def test_cancel_while_the_draft_catches_up_frees_its_blocks(checkpoint):
     target = checkpoint("llama")
     engine = engine_of(target, speculate="draft", draft_model=str(target))
     run = Run(engine)
-    run.add(prompt(12, 1), greedy(60))
-    for _ in range(3):
-        run.step()
-    b = run.add(prompt(120, 2), greedy(40))
-    while b not in run.tokens:
-        run.step()
-    [req_b] = [r for r in engine.scheduler.running if r.request_id == b]
+    _, b, req_b = a_decodes_b_computed(run, 60, 120, 40)
     run.step()  # the draft reads B's first chunk
     assert engine.draft.unseen(req_b) > 1 and engine.draft._tables[req_b]
     assert engine.cancel(b)
