@@ -4,7 +4,10 @@ HTTP client of whichever `server` the requesting module runs."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,28 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from checkpoints import make_checkpoint, write_test_tokenizer  # noqa: E402
+from helpers import WITHOUT_KERNELS  # noqa: E402
 from server_fixture import RunningServer  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every cache the tests and the servers they start write (a kernel built on first use,
+    the demo model) goes to one temporary folder for the run, never the user's."""
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gapless-test-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(os.environ["XDG_CACHE_HOME"], ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if WITHOUT_KERNELS:
+        terminalreporter.write_line(
+            "GAPLESS_TEST_WITHOUT_KERNELS=1: tests of our C++ kernels skipped where they did"
+            " not build; their fast paths were not tested",
+            yellow=True,
+            bold=True,
+        )
 
 
 @pytest.fixture(scope="session")

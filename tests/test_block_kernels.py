@@ -5,8 +5,8 @@ block size: Q8_0 per 32, Q8_K per 256) equals F.linear on those activations up t
 rounding; the prompt-chunk product (mm) equals F.linear on the dequantized weight. Rows
 interleaved by 16 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) give the same products as the file's layout. The
 step's small ops in the same build (RMSNorm, rope, the KV-cache write) equal the torch ops
-they replace. Each case runs on every build this CPU can run: native (AVX-512 VNNI here),
-AVX2 only, and the portable one with no ISA flags."""
+they replace. Each case runs on every build the install compiled (extensions.py: portable,
+AVX2, AVX-512, AVX-512 VNNI) that this CPU can run; a build that is missing fails."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf_files import random_blocks
+from helpers import require_our_kernels
 
 from gapless.kernels import blocks, probe, step_ops
+from gapless.kernels.extensions import GGUF_BLOCKS
 from gapless.kernels.linear import BlockLinear
 from gapless.kernels.probe import machine
 from gapless.kernels.quant import BlockQuant
@@ -28,7 +30,6 @@ TYPES = {
     2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL",
     10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 23: "IQ4_XS",
 }  # fmt: skip
-BUILDS = {"native": None, "avx2": ("avx2",), "portable": ()}
 
 
 def block_elems(qtype: int) -> int:
@@ -52,14 +53,16 @@ GEMV_CASES = [
 ]
 
 
-@pytest.fixture(scope="module", params=list(BUILDS))
+@pytest.fixture(scope="module", params=list(GGUF_BLOCKS.builds().values()))
 def ext(request):
-    isa = BUILDS[request.param]
-    if isa and not set(isa) <= set(machine().cpu_isa):
-        pytest.skip(f"this CPU lacks {isa}")
-    built = blocks.extension(isa)
-    if built is None:
-        pytest.skip(f"the {request.param} build of our block kernels cannot be built here")
+    """Each distinct build, by the lowest level that runs it."""
+    level = request.param
+    if missing := set(GGUF_BLOCKS.isa(level)) - set(machine().cpu_isa):
+        pytest.skip(
+            f"this CPU lacks {sorted(missing)} (the build is checked in test_kernel_builds)"
+        )
+    built = blocks.extension(level)
+    require_our_kernels(built is not None, f"the {level} build of our block kernels")
     return built
 
 
@@ -206,8 +209,7 @@ def test_types_unsupported_types_and_shapes_say_so(ext):
 
 @pytest.mark.parametrize("qtype", [2, 12], ids=["Q4_0", "Q4_K"])
 def test_the_wrappers_run_the_native_build(qtype):
-    if blocks.extension() is None:
-        pytest.skip("our block kernels cannot be built here (no compiler or Python headers)")
+    require_our_kernels(blocks.extension() is not None, "our block kernels")
     cols = 2 * block_elems(qtype)
     b = weight(qtype, 64, cols)
     x = torch.randn(2, cols)
@@ -261,8 +263,7 @@ def test_only_whole_groups_of_the_interleaved_types_interleave(ext):
 
 
 def test_an_interleaved_weight_multiplies_and_gathers_rows_only():
-    if blocks.extension() is None:
-        pytest.skip("our block kernels cannot be built here (no compiler or Python headers)")
+    require_our_kernels(blocks.extension() is not None, "our block kernels")
     w = BlockQuant(weight(3, 32, 64), 3, 64)
     linear = BlockLinear(w)
     assert linear.weight.interleaved and torch.equal(linear.weight.dequantize(), w.dequantize())
@@ -333,8 +334,7 @@ def test_write_kv_writes_the_slots_cast_to_the_caches_dtype(ext, dtype, cache_dt
 
 
 def test_step_ops_take_decode_rows_on_our_kernels_and_chunks_on_torchs(monkeypatch):
-    if not probe.step_ops_work():
-        pytest.skip("our step ops cannot be built here (no compiler or Python headers)")
+    require_our_kernels(probe.step_ops_work(), "our step ops")
     calls = []
     ext = blocks.extension()
     monkeypatch.setattr(blocks, "extension", lambda: SimpleNamespace(rms_norm=ours))

@@ -4,18 +4,18 @@ paged cache, each matching the public-op path on the tiny checkpoints."""
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import require_our_kernels
 from test_model import Seq, hf_model, prompt, run_chunks
 from test_quantize import rel_err
 
 import gapless.kernels as kernels
 from gapless import LLM, SamplingParams
 from gapless.engine.runner import ModelRunner
+from gapless.kernels.extensions import PAGED_ATTENTION
 from gapless.kernels.linear import Int4Linear, NarrowLinear, PackedLinear, PlainLinear
 from gapless.kernels.plans import (
     AttentionLayout,
@@ -307,8 +307,8 @@ def test_every_chunk_plan_lets_a_bidirectional_range_see_to_its_end(path, chunk,
     causally. On every path a prompt chunk can take, capped or not."""
     plan_type, fields = CHUNK_PATHS[path]
     paged = path == "paged"
-    if paged and not kernels.probe.paged_prefill_works(torch.bfloat16):
-        pytest.skip("prompt chunks run on our kernel only in bf16 on CPUs with AVX512-BF16")
+    if paged:
+        require_paged_prefill()
     if path == "in place" and window is not None:
         pytest.skip("in place is full attention's path")
     start, n, (first, end) = BIDIRECTIONAL_CHUNKS[chunk]
@@ -346,53 +346,62 @@ def test_a_bidirectional_range_cut_by_its_chunk_is_refused():
         planner.plan([Span(0, 0, 16, [0, 1], ((10, 20),))])
 
 
-@pytest.mark.skipif(
-    not kernels.probe.paged_decode_works(torch.float32),
-    reason="our paged attention kernel cannot be built here (no compiler or Python headers)",
-)
+@pytest.fixture(params=list(PAGED_ATTENTION.builds().values()))
+def paged_build(request, monkeypatch):
+    """Each distinct build of the paged kernel the install compiled (by the lowest level that
+    runs it) where this CPU runs it, as the one paged.paged_attention calls."""
+    level = request.param
+    if missing := set(PAGED_ATTENTION.isa(level)) - set(kernels.machine().cpu_isa):
+        pytest.skip(
+            f"this CPU lacks {sorted(missing)} (the build is checked in test_kernel_builds)"
+        )
+    built = kernels.paged.extension(level)
+    require_our_kernels(built is not None, f"the {level} build of our paged attention kernel")
+    monkeypatch.setattr(kernels.paged, "extension", lambda: built)
+    return level
+
+
+def require_paged_prefill() -> None:
+    """Prompt chunks run on our kernel in bf16 on CPUs with AVX512-BF16 (csrc/paged_attention.cpp)."""
+    if "avx512-bf16" not in kernels.machine().cpu_isa:
+        pytest.skip("prompt chunks run on our kernel only on CPUs with AVX512-BF16")
+    works = kernels.probe.paged_prefill_works(torch.bfloat16)
+    require_our_kernels(works, "our paged attention kernel's prompt chunks")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (9, 3, 64), (14, 2, 128)])
 @pytest.mark.parametrize("window", [None, 20])
 def test_paged_decode_kernel_matches_attention_over_gathered_keys(
-    dtype, heads, kv_heads, dim, window
+    paged_build, dtype, heads, kv_heads, dim, window
 ):
     check_paged_kernel(dtype, heads, kv_heads, dim, window, 1, 16)
 
 
-@pytest.mark.skipif(
-    not kernels.probe.paged_decode_works(torch.float32),
-    reason="our paged attention kernel cannot be built here (no compiler or Python headers)",
-)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lengths", [(700,), (2051,), (2051, 3, 40)])
 @pytest.mark.parametrize("window", [None, 600])
-def test_paged_decode_kernel_splits_long_sequences_exactly(dtype, lengths, window):
+def test_paged_decode_kernel_splits_long_sequences_exactly(paged_build, dtype, lengths, window):
     """A sequence longer than a thread's share of the batch's keys is cut into parts, whose
     softmaxes the kernel merges: alone, and beside short ones."""
     check_paged_kernel(dtype, 9, 3, 64, window, 1, 16, extra=lengths)
 
 
-@pytest.mark.skipif(
-    not kernels.probe.paged_prefill_works(torch.bfloat16),
-    reason="prompt chunks run on our kernel only in bf16 on CPUs with AVX512-BF16",
-)
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 32), (9, 3, 64), (14, 2, 128)])
 @pytest.mark.parametrize("window", [None, 20, 40])
 @pytest.mark.parametrize(("n", "block_size"), [(5, 16), (37, 8), (70, 32)])
 def test_paged_prefill_kernel_matches_attention_over_gathered_keys(
     heads, kv_heads, dim, window, n, block_size
 ):
+    require_paged_prefill()
     check_paged_kernel(torch.bfloat16, heads, kv_heads, dim, window, n, block_size)
 
 
-@pytest.mark.skipif(
-    not kernels.probe.paged_prefill_works(torch.bfloat16),
-    reason="prompt chunks run on our kernel only in bf16 on CPUs with AVX512-BF16",
-)
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])
 def test_bf16_chunks_on_our_kernel_match_the_public_ops(checkpoint, arch, monkeypatch):
     """Prompt chunks against their history, and mistral's 24-token window, on the kernel
     (head size 32 is one it takes), against the whole prompt on the public ops."""
+    require_paged_prefill()
     path, ids = checkpoint(arch, head_dim=32), prompt(120)
     runner = ModelRunner(load_decoder(path, "bfloat16"), 32, 16)
     batch = runner._build([runner._input(Seq(ids, 0).chunk(40), False)])
@@ -401,17 +410,3 @@ def test_bf16_chunks_on_our_kernel_match_the_public_ops(checkpoint, arch, monkey
     monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
     want = run_chunks(ModelRunner(load_decoder(path, "bfloat16"), 32, 16), Seq(ids, 0), [120])
     assert rel_err(got.float(), want.float()) < 0.03
-
-
-@pytest.mark.skipif(
-    not kernels.probe.paged_decode_works(torch.float32),
-    reason="our paged attention kernel cannot be built here (no compiler or Python headers)",
-)
-def test_a_build_killed_midway_does_not_hang_the_next_start():
-    """torch's build lock is a plain file, which a killed build leaves behind; a later start
-    must not wait on it forever."""
-    stale = kernels.paged.build_directory() / "lock"
-    stale.touch()
-    code = "from gapless.kernels import paged; assert paged.extension() is not None"
-    subprocess.run([sys.executable, "-c", code], timeout=240, check=True)
-    assert not stale.exists()

@@ -1,5 +1,5 @@
-"""Matmuls straight from a GGUF file's quantized blocks (csrc/gguf_*.cpp), built for this
-CPU on first use like the paged kernel (build.py).
+"""Matmuls straight from a GGUF file's quantized blocks (csrc/gguf_*.cpp), compiled at
+install for each instruction-set level like the paged kernel (extensions.py, build.py).
 
 Why kernels of our own: a float copy of a quantized weight is 4-8x its bytes in memory and
 in every decode step's reads. Here the weight stays in the file's blocks. Decode rows (a
@@ -13,27 +13,18 @@ The same build holds the step's small ops (step_ops.py) and the experts' grouped
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from gapless.kernels import build
-
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = [
-    CSRC / n
-    for n in ("gguf_ops.cpp", "gguf_q32.cpp", "gguf_kquants.cpp", "step_ops.cpp", "expert_ops.cpp")
-]
-# No FMA contraction: dequantize's d * code + m must round as the `gguf` package's numpy.
-CFLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")
+from gapless.kernels.extensions import GGUF_BLOCKS
 
 
 @functools.cache
-def extension(isa: tuple[str, ...] | None = None) -> ModuleType | None:
-    """The kernels built for `isa` (None: this CPU's), or None where they cannot be built."""
-    what = "our GGUF block kernels"
-    return build.load_extension("gapless_gguf_blocks", SOURCES, isa, CFLAGS, what)
+def extension(level: str | None = None) -> ModuleType | None:
+    """The kernels built for `level` (None: this CPU's), or None where they cannot be."""
+    return build.load(GGUF_BLOCKS, level)
 
 
 def supported(qtype: int) -> bool:

@@ -1,5 +1,5 @@
-"""Attention straight from the paged KV cache: a small C++ kernel (csrc/), compiled for this
-CPU's instruction set on first use and cached (~/.cache/gapless/kernels).
+"""Attention straight from the paged KV cache: a small C++ kernel (csrc/paged_attention.cpp),
+compiled at install for each instruction-set level (extensions.py, build.py).
 
 Why a kernel of our own: every public route reads a decode's history at 1-2 GB/s here.
 Gathering each sequence's blocks, padding, masking and calling SDPA copies the whole history
@@ -14,32 +14,21 @@ compiler, no Python headers) the probe says no and the public path runs.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from gapless.kernels import build
+from gapless.kernels.extensions import PAGED_ATTENTION
 
-NAME = "gapless_paged_attention"
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 HEAD_DIMS = (16, 32, 64, 128, 256)  # compiled in; other models decode on SDPA
 PREFILL_HEAD_DIMS = (32, 64, 128, 256)  # prompt chunks: whole vectors of bf16 pairs
-ISA = ("avx2", "avx512", "avx512-bf16")  # what its code uses; more flags would only rebuild it
-
-
-def build_directory() -> Path:
-    """Where the kernel for this CPU's ISA flags is built and cached."""
-    return build.build_directory(NAME, build.native_isa(ISA))
 
 
 @functools.cache
-def extension() -> ModuleType | None:
-    """The kernel compiled for this CPU, or None where it cannot be built."""
-    # -ffast-math lets gcc vectorize expf; the kernel has no infinities or NaNs to lose.
-    cflags = ("-O3", "-fopenmp", "-ffast-math")
-    what = "our paged attention kernel"
-    return build.load_extension(NAME, [SOURCE], build.native_isa(ISA), cflags, what)
+def extension(level: str | None = None) -> ModuleType | None:
+    """The kernel built for `level` (None: this CPU's), or None where it cannot be."""
+    return build.load(PAGED_ATTENTION, level)
 
 
 def paged_attention(

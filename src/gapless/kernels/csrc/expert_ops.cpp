@@ -2,9 +2,8 @@
 // thread. Called one after another, each small linear is a parallel region of its own, whose
 // fork, join and oneDNN set-up cost more than its few hundred rows take to read: Qwen3-MoE's 8
 // chosen experts make 16 such calls a layer where a dense MLP of the same bytes makes 2.
-#include <torch/extension.h>
+#include "torch_api.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <optional>

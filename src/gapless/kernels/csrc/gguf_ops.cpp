@@ -1,8 +1,7 @@
 // Torch ops over GGUF weight blocks (gguf_blocks.h): dequantize, the decode-row product
 // (gemv: activations quantized to 8 bits per block, integer dots with the blocks as stored)
 // and the prompt-chunk product (mm: a tile of rows dequantized at a time, then a GEMM).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 
 #include <algorithm>
 #include <cstring>

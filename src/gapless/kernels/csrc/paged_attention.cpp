@@ -7,8 +7,7 @@
 // up to a later last key per query): items are (sequence, KV head, tile of queries), each
 // walking its keys 32 at a time with an online softmax, as flash attention does. Scores and
 // sums in float32 whatever the cache dtype.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "torch_api.h"
 
 #include <algorithm>
 #include <cmath>

@@ -5,7 +5,7 @@
 // touches. Each computes as the torch ops it replaces do (float32 arithmetic, bf16 results
 // rounded to nearest even), in plain loops the compiler vectorizes: they run on decode rows,
 // a few thousand values each.
-#include <torch/extension.h>
+#include "torch_api.h"
 
 #include <algorithm>
 #include <cmath>

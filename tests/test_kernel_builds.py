@@ -1,0 +1,100 @@
+"""Our C++ kernels as the install leaves them (setup.py, kernels/extensions.py): every build
+of every extension compiled, the one this CPU runs chosen without a compiler, and the probe
+choosing our kernels here. Each build's products are checked where the CPU runs it, in
+test_block_kernels.py and test_kernels.py."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import require_our_kernels
+
+from gapless import kernels
+from gapless.kernels import blocks, build, paged, probe
+from gapless.kernels.extensions import EXTENSIONS, GGUF_BLOCKS, PACKAGE, PAGED_ATTENTION
+from gapless.kernels.probe import Machine, machine
+
+CPU = torch.device("cpu")
+BUILDS = [
+    pytest.param(ext, level, id=module)
+    for ext in EXTENSIONS
+    for module, level in ext.builds().items()
+]
+
+
+@pytest.mark.parametrize(("ext", "level"), BUILDS)
+def test_every_build_of_every_extension_was_compiled_at_install(ext, level):
+    """On any x86-64 CPU, every level's build, whether this CPU runs it or not."""
+    path = build.installed(ext, level)
+    require_our_kernels(path is not None, f"{ext.module(level)}, compiled at install")
+    assert path.stat().st_size > 0
+
+
+def test_the_probe_chooses_our_kernels_on_this_machine():
+    """The builds for this CPU's level, with no compiler run: GGUF blocks, step ops and paged
+    decodes in float32, and where the CPU multiplies bf16 fast, the bf16 KV cache and prompt
+    chunks on our kernel too."""
+    level = build.cpu_level()
+    require_our_kernels(blocks.extension() is not None, "our GGUF block kernels")
+    require_our_kernels(paged.extension() is not None, "our paged attention kernel")
+    assert blocks.extension().__name__ == f"{PACKAGE}.{GGUF_BLOCKS.module(level)}"
+    assert paged.extension().__name__ == f"{PACKAGE}.{PAGED_ATTENTION.module(level)}"
+    chosen = kernels.select(CPU, torch.float32, quantized=True)
+    assert chosen.gguf_blocks and chosen.paged_decode and probe.step_ops_work()
+    if machine().fast_cpu_bf16 and probe.packed_linear_works(torch.bfloat16):
+        assert chosen.reduced_dtype == torch.bfloat16 and chosen.kv_dtype == torch.bfloat16
+        assert kernels.select(CPU, torch.bfloat16).paged_decode
+        if "amx" not in machine().cpu_isa:  # see kernels.select
+            assert chosen.paged_prefill
+
+
+@pytest.mark.parametrize(
+    ("isa", "level"),
+    [
+        ((), "portable"),
+        (("avx2",), "avx2"),
+        (("avx2", "avx512"), "avx512"),
+        (("avx2", "avx512", "avx512-bf16"), "avx512"),  # bf16 without VNNI: no level has it
+        (("avx2", "avx512", "avx512-vnni"), "avx512-vnni"),
+        (("avx2", "avx512", "avx512-vnni", "avx512-bf16", "amx"), "avx512-bf16"),
+    ],
+)
+def test_a_cpu_runs_the_highest_level_it_has_every_instruction_of(monkeypatch, isa, level):
+    monkeypatch.setattr(build, "machine", lambda: Machine("cpu", isa, "DEFAULT", None))
+    assert build.cpu_level() == level
+
+
+def test_a_build_older_than_its_sources_is_not_used(caplog):
+    """Sources edited after the install (here: other flags) make its build stale: it is not
+    loaded, and the log says so."""
+    level = build.cpu_level()
+    edited = replace(PAGED_ATTENTION, cflags=(*PAGED_ATTENTION.cflags, "-DEDITED"))
+    with caplog.at_level(logging.WARNING, "gapless.kernels"):
+        assert build.prebuilt(edited, level) is None
+    assert "older than its sources" in caplog.text
+    missing = replace(PAGED_ATTENTION, name="never_built")
+    with caplog.at_level(logging.WARNING, "gapless.kernels"):
+        assert build.prebuilt(missing, level) is None
+    assert "never_built for" in caplog.text and "was not compiled at install" in caplog.text
+
+
+def test_a_first_use_build_compiles_and_a_killed_ones_lock_does_not_hang_it():
+    """The fallback for an install that could not compile: built now, and cached. torch's
+    build lock is a plain file, which a killed build leaves behind; a later build must not
+    wait on it forever."""
+    level = "portable"
+    stale = build.cache_directory(PAGED_ATTENTION, level) / "lock"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.touch()
+    code = (
+        "from gapless.kernels import build, extensions;"
+        f"m = build.compile_now(extensions.PAGED_ATTENTION, {level!r});"
+        "assert m is not None and hasattr(m, 'paged_attention')"
+    )
+    subprocess.run([sys.executable, "-c", code], timeout=240, check=True)
+    assert not stale.exists()
