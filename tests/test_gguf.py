@@ -10,10 +10,11 @@ import torch
 from checkpoints import UNICODE_SAMPLE
 from gguf import GGMLQuantizationType as QType
 from gguf_files import write_gguf
+from helpers import require_our_kernels
 from test_model import ModelRunner, Seq, prompt, run_chunks
 from test_quantize import mean_kl, rel_err
 
-from gapless.kernels.linear import BlockLinear, Int4Linear, StackedLinear
+from gapless.kernels.linear import BlockLinear, StackedLinear
 from gapless.kernels.quant import BlockQuant
 from gapless.model.gguf import dequantize, load_gguf, unpack
 from gapless.model.loader import WeightError, load_decoder
@@ -149,8 +150,7 @@ def test_a_q4_k_m_mix_runs_in_its_blocks_as_transformers_reads_the_file(checkpoi
     with torch.no_grad():
         want = hf.eval()(torch.tensor([ids])).logits[0].log_softmax(-1)
     decoder, _ = load_gguf(path)
-    if not decoder.kernels.gguf_blocks:
-        pytest.skip("our GGUF block kernels could not be built here")
+    require_our_kernels(decoder.kernels.gguf_blocks, "our GGUF block kernels")
     layer = decoder.layers[0]
     assert isinstance(decoder.embed, BlockQuant) and isinstance(layer.down, BlockLinear)
     assert isinstance(layer.qkv, StackedLinear)  # Q4_K q and k beside a Q6_K v
@@ -170,8 +170,7 @@ def test_quantized_tensors_hold_their_blocks_and_nothing_more(checkpoint, tmp_pa
     ckpt = checkpoint("qwen2", hidden_size=256, intermediate_size=512)
     path = write_gguf(ckpt, tmp_path / "mixed.gguf", QType.Q4_K, mix=Q4_K_M_MIX)
     decoder, _ = load_gguf(path)
-    if not decoder.kernels.gguf_blocks:
-        pytest.skip("our GGUF block kernels could not be built here")
+    require_our_kernels(decoder.kernels.gguf_blocks, "our GGUF block kernels")
     file_bytes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
     held = [
         w
@@ -195,13 +194,12 @@ def test_quantized_tensors_hold_their_blocks_and_nothing_more(checkpoint, tmp_pa
 
 @pytest.mark.parametrize("qtype", [QType.Q4_0, QType.Q4_1, QType.Q8_0])
 def test_quantized_gguf_runs_as_dequantized(gguf_file, monkeypatch, qtype):
-    # In its blocks on our kernels, or (where they cannot build) Q4_0/Q4_1 on torch's int4 op.
+    # In its blocks on our kernels.
     path, ids = gguf_file("llama", qtype, **PLAIN_LLAMA), prompt(32)
     decoder, _ = load_gguf(path, "float32")
-    kind = BlockLinear if decoder.kernels.gguf_blocks else Int4Linear
-    if kind is Int4Linear and qtype == QType.Q8_0:
-        pytest.skip("Q8_0 is dequantized at load without our block kernels")
-    assert all(isinstance(lin, kind) for lin in (decoder.layers[0].qkv, decoder.layers[0].down))
+    require_our_kernels(decoder.kernels.gguf_blocks, "our GGUF block kernels")
+    layer = decoder.layers[0]
+    assert all(isinstance(lin, BlockLinear) for lin in (layer.qkv, layer.down))
     monkeypatch.setenv("GAPLESS_KERNELS", "fallback")  # dequantized float32 weights
     dequantized, _ = load_gguf(path, "float32")
     want = run_chunks(ModelRunner(dequantized, 8, 16), Seq(ids, 0), [32])

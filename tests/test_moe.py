@@ -18,6 +18,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf_files import write_gguf
+from helpers import require_our_kernels
 from safetensors.numpy import load_file, save_file
 from test_model import (
     Seq,
@@ -147,15 +148,13 @@ def test_experts_run_once_each_over_all_their_tokens():
     assert (lone - want[:1]).abs().max().item() < 1e-4
 
 
-@pytest.mark.skipif(
-    not (packed_linear_works(torch.bfloat16) and step_ops_work()),
-    reason="needs oneDNN's packed linear and our kernels",
-)
+@pytest.mark.skipif(not packed_linear_works(torch.float32), reason="torch has no oneDNN here")
 @pytest.mark.parametrize("tokens", [1, 40])
 def test_packed_experts_in_one_parallel_region_equal_them_one_by_one(monkeypatch, tokens):
     """kernels/csrc/expert_ops.cpp runs oneDNN-packed experts each on one thread of one
     parallel region: the same outputs as calling them one after another (float32, where the
-    two differ only by summation order)."""
+    two differ only by summation order), on every CPU where float32 weights are packed."""
+    require_our_kernels(step_ops_work(), "our expert ops")
     gen = torch.Generator().manual_seed(1)
     n, hidden, inter, k = 6, 64, 32, 2
     gate_up = [PackedLinear(torch.randn(2 * inter, hidden, generator=gen)) for _ in range(n)]
@@ -202,8 +201,7 @@ def test_quantized_experts_run_in_their_blocks_as_dequantized(
     ckpt = checkpoint(arch, **GGUF_READY[arch])
     path = write_gguf(ckpt, tmp_path / f"{arch}.gguf", QType.Q8_0, mix={"ffn_gate_inp": QType.F32})
     decoder, _ = load_gguf(path, "float32")
-    if not decoder.kernels.gguf_blocks:
-        pytest.skip("our GGUF block kernels could not be built here")
+    require_our_kernels(decoder.kernels.gguf_blocks, "our GGUF block kernels")
     size = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(path).tensors}
     for i, layer in enumerate(decoder.layers):
         experts = layer.moe.experts

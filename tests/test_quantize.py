@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QType
+from helpers import require_our_kernels
 from test_model import ModelRunner, Seq, run_chunks
 
 import gapless.engine.scheduler
@@ -119,12 +120,10 @@ def test_quantize_at_load_stays_close_to_float(demo_checkpoint, demo_text_ids, m
         ModelRunner(load_decoder(demo_checkpoint, "float32"), 8, 16), Seq(ids, 0), [48]
     )
     decoder = load_decoder(demo_checkpoint, "float32", quantize=method)
-    if decoder.kernels.gguf_blocks:  # into GGUF blocks: Q8_0, Q4_1
-        assert isinstance(decoder.layers[0].qkv, BlockLinear)
-        assert isinstance(decoder.lm_head.narrow, BlockLinear)
-    else:
-        linear = Int8Linear if method == "int8" else Int4Linear
-        assert isinstance(decoder.layers[0].qkv, linear) and isinstance(decoder.lm_head, linear)
+    require_our_kernels(decoder.kernels.gguf_blocks, "our GGUF block kernels")
+    # Into GGUF blocks (Q8_0, Q4_1) on our kernels.
+    assert isinstance(decoder.layers[0].qkv, BlockLinear)
+    assert isinstance(decoder.lm_head.narrow, BlockLinear)
     assert decoder.embed.dtype == torch.float32  # tied: the embeddings stay float
     # One chunk runs the dense path (dequantized tiles), chunks of 16 the decode kernels.
     for sizes in ([48], [16, 16, 16]):

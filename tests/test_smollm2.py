@@ -8,12 +8,13 @@ import re
 import jsonschema
 import pytest
 import torch
+from helpers import require_our_kernels
 from test_model import ModelRunner, Seq, run_chunks
 from test_quantize import mean_kl
 
 from gapless import LLM, SamplingParams
 from gapless.engine.structured import json_schema_grammar
-from gapless.kernels.linear import BlockLinear, Int4Linear
+from gapless.kernels.linear import BlockLinear
 from gapless.model.default_model import installed_default_model
 from gapless.model.gguf import load_gguf
 
@@ -50,12 +51,11 @@ def test_logits_and_ids_match_transformers_gguf_loader(llm, monkeypatch):
     dequantized, _ = load_gguf(SMOLLM2, "float32")
     got = run_chunks(ModelRunner(dequantized, 8, 16), Seq(ids, 0), [len(ids)])
     assert (got - want).abs().max().item() < 1e-3
-    # Our block kernels in decode-sized chunks (or torch's int4 op on bf16 activations, where
-    # they cannot be built): activations in 8 bits per block of 32, as llama.cpp runs this
-    # file. Each of a step's 151 linear calls rounds its inputs to 1/254 of their block's
+    # Our block kernels in decode-sized chunks: activations in 8 bits per block of 32, as
+    # llama.cpp runs this file. Each of a step's 151 linear calls rounds its inputs to 1/254 of their block's
     # largest: 0.0106 nats of mean KL against transformers' float32 on this prompt (Zen 4).
-    kind = BlockLinear if llm.engine.decoder.kernels.gguf_blocks else Int4Linear
-    assert isinstance(llm.engine.decoder.layers[0].gate, kind)
+    require_our_kernels(llm.engine.decoder.kernels.gguf_blocks, "our GGUF block kernels")
+    assert isinstance(llm.engine.decoder.layers[0].gate, BlockLinear)
     fast = run_chunks(ModelRunner(llm.engine.decoder, 8, 16), Seq(ids, 0), [1] * len(ids))
     assert mean_kl(want, fast) < 0.02
 

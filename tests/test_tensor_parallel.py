@@ -23,6 +23,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf_files import write_gguf
+from helpers import require_our_kernels
 from server_fixture import SSEReader
 from test_model import (
     Seq,
@@ -105,8 +106,7 @@ def test_gguf_blocks_shard_by_whole_blocks(checkpoint, tp2, tmp_path):
     # columns over two ranks), with no dequantized copy.
     path, ids = write_gguf(checkpoint("qwen2"), tmp_path / "q8.gguf", QType.Q8_0), prompt(40)
     one, _ = load_model(path, "float32")
-    if not one.kernels.gguf_blocks:
-        pytest.skip("our GGUF block kernels could not be built here")
+    require_our_kernels(one.kernels.gguf_blocks, "our GGUF block kernels")
     expected = run_chunks(ModelRunner(one, 16, 16), Seq(ids, 0), [40])
     runner = sharded_runner(tp2, path, 16)
     for name in ("qkv", "o", "down", "gate"):
