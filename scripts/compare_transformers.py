@@ -19,10 +19,10 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from gapless.bench.roofline import median_time
+from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampling_params import SamplingParams
-from gapless.engine.scheduler import ScheduledChunk
 from gapless.model.loader import load_decoder
 
 BLOCK = 16

@@ -18,10 +18,10 @@ import time
 import torch
 
 import gapless.kernels.probe
+from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampling_params import SamplingParams
-from gapless.engine.scheduler import ScheduledChunk
 from gapless.model.checkpoint import load_model
 
 CONTEXT, CHUNK = 256, 512

@@ -7,10 +7,10 @@ import time
 
 import torch
 
+from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampling_params import SamplingParams
-from gapless.engine.scheduler import ScheduledChunk
 from gapless.model.default_model import installed_default_model
 from gapless.model.gguf import load_gguf
 

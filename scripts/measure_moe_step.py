@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from gapless.bench.make_model import make_model
+from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampling_params import SamplingParams
-from gapless.engine.scheduler import ScheduledChunk
 from gapless.model.loader import load_decoder
 
 PRESETS = ("qwen3-30b-a3b-narrow", "qwen3-30b-a3b-narrow-dense")

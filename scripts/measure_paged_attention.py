@@ -17,10 +17,10 @@ import time
 import torch
 
 from gapless.device import tune_allocator
+from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampling_params import SamplingParams
-from gapless.engine.scheduler import ScheduledChunk
 from gapless.kernels import Kernels
 from gapless.model.loader import load_decoder
 

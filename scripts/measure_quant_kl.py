@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampling_params import SamplingParams
-from gapless.engine.scheduler import ScheduledChunk
 from gapless.model.decoder import Decoder
 from gapless.model.default_model import installed_default_model
 from gapless.model.gguf import load_gguf

@@ -12,10 +12,10 @@ import time
 
 import torch
 
+from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampling_params import SamplingParams
-from gapless.engine.scheduler import ScheduledChunk
 from gapless.model.gguf import is_gguf, load_gguf
 from gapless.model.loader import load_decoder
 

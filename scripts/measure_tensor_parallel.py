@@ -18,9 +18,9 @@ import torch
 
 from gapless import SamplingParams
 from gapless.engine import distributed
+from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
-from gapless.engine.scheduler import ScheduledChunk
 from gapless.model.loader import load_decoder
 
 HISTORY = 128

@@ -25,10 +25,10 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampling_params import SamplingParams
-from gapless.engine.scheduler import ScheduledChunk
 from gapless.kernels import blocks
 from gapless.model.checkpoint import load_model
 from gapless.model.default_model import installed_default_model

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from gapless import SamplingParams
+from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
-from gapless.engine.scheduler import ScheduledChunk
 from gapless.model.decoder import Decoder
 from gapless.model.demo import shipped_demo_checkpoint
 from gapless.model.loader import load_decoder

@@ -21,10 +21,10 @@ from test_speculation import (
 
 from gapless.engine.draft import DraftModel, check_same_tokenizer
 from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.plan import DraftPlan
 from gapless.engine.request import Request
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.scheduler import Scheduler, SchedulerConfig
-from gapless.engine.speculation import DraftPlan
 from gapless.kv.block_pool import BlockPool
 from gapless.model.tokenizer import Tokenizer
 from gapless.server.cli import add_serve_parser, engine_config
@@ -245,14 +245,20 @@ class CountingDraft:
 )
 def test_a_drafts_catch_up_takes_only_what_prompt_chunks_leave(unseen, waiting, room, plans):
     budget = None if room is None else (lambda contexts, start: room)
+    draft = CountingDraft(unseen)
     scheduler = Scheduler(
-        SchedulerConfig(prefill_chunk=32, idle_prefill_chunk=32), BlockPool(512, 16), budget
+        SchedulerConfig(prefill_chunk=32, idle_prefill_chunk=32),
+        BlockPool(512, 16),
+        budget,
+        draft_unseen=draft.unseen,
     )
     req = decoding(scheduler, 1)
-    req.speculation.draft = draft = CountingDraft(unseen)
     if waiting:
         scheduler.add(Request("p", prompt(waiting), greedy(1)))
-    chunks = scheduler.schedule()
+    plan = scheduler.schedule()
+    if plan.drafts:  # as the engine runs the draft model between the plan and the forward
+        scheduler.verify(plan, draft.propose(plan.drafts))
+    chunks = plan.chunks
     assert draft.plans == ([plans] if plans else [])
     [chunk] = [c for c in chunks if c.request is req]
     assert len(chunk.draft) == sum(k for _, k in plans)

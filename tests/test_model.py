@@ -10,9 +10,9 @@ import torch
 from checkpoints import ARCHS, make_checkpoint
 
 from gapless import LLM, SamplingParams
+from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
-from gapless.engine.scheduler import ScheduledChunk
 from gapless.kernels import resolve_dtype
 from gapless.model.config import ConfigError
 from gapless.model.loader import WeightError, load_decoder

@@ -41,7 +41,7 @@ def run_step(scheduler: Scheduler) -> dict[str, int]:
     """Schedules one step and plays the engine's part: computes the chunks, and a finished
     prompt starts decoding."""
     sizes = {}
-    for chunk in scheduler.schedule():
+    for chunk in scheduler.schedule().chunks:
         req = chunk.request
         req.num_computed += chunk.num_tokens
         if req.num_uncomputed == 0:
@@ -149,7 +149,7 @@ def run_image_step(scheduler: Scheduler) -> dict[str, tuple[int, list[tuple[int,
     """run_step, and what each chunk encodes, run by the runner's own code: an image's encode
     in progress, then its embeddings, kept until the prompt passes them."""
     chunks = {}
-    for chunk in scheduler.schedule():
+    for chunk in scheduler.schedule().chunks:
         req = chunk.request
         encodes = list(chunk.encodes)
         ModelRunner.encode(RUNNER, chunk)  # type: ignore[arg-type]

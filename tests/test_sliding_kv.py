@@ -164,7 +164,7 @@ def scheduled(scheduler: Scheduler, request: Request) -> None:
     """Runs the request's prompt through the scheduler as if the forwards had run it."""
     scheduler.add(request)
     while request.num_uncomputed:
-        [chunk] = scheduler.schedule()
+        [chunk] = scheduler.schedule().chunks
         request.num_computed += chunk.num_tokens
         scheduler.register_computed_blocks(request)
 

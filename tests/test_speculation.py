@@ -45,15 +45,14 @@ class Run:
         self.finished: dict[str, FinishedEvent] = {}
         self.step_tokens: list[dict[str, list[int]]] = []  # per step: tokens per request
         self.mixed_steps = 0  # steps verifying a draft beside a prompt chunk
-        schedule = engine.scheduler.schedule
+        execute = engine.runner.execute
 
-        def spy() -> list:
-            chunks = schedule()
+        def spy(chunks: list, all_logits: set[int]) -> list:
             drafts = any(c.draft for c in chunks)
             self.mixed_steps += drafts and any(not c.request.is_decoding for c in chunks)
-            return chunks
+            return execute(chunks, all_logits)
 
-        engine.scheduler.schedule = spy
+        engine.runner.execute = spy
 
     def add(self, prompt: list[int] | str, params: SamplingParams) -> str:
         return self.engine.add_request(prompt, params)
@@ -179,19 +178,17 @@ def test_default_model_greedy_tokens_are_the_same_with_and_without_speculation()
 
 
 def cancel_once_it_verifies(engine: Engine, request_id: str) -> list[bool]:
-    """Cancels the request in the first step that verifies its proposals, after that step is
-    scheduled and before it runs: the cancel arrives while they are verified. The list gets
-    cancel()'s answer."""
+    """Cancels the request in the first step that verifies its proposals, once its forward
+    starts: the cancel arrives while they are verified. The list gets cancel()'s answer."""
     cancelled: list[bool] = []
-    schedule = engine.scheduler.schedule
+    execute = engine.runner.execute
 
-    def schedule_then_cancel() -> list:
-        chunks = schedule()
+    def cancel_then_execute(chunks: list, all_logits: set[int]) -> list:
         if not cancelled and any(c.draft and c.request.request_id == request_id for c in chunks):
             cancelled.append(engine.cancel(request_id))
-        return chunks
+        return execute(chunks, all_logits)
 
-    engine.scheduler.schedule = schedule_then_cancel
+    engine.runner.execute = cancel_then_execute
     return cancelled
 
 
@@ -367,7 +364,7 @@ def decoding(scheduler: Scheduler, seed: int) -> Request:
     tokens = prompt(6, seed) * 4
     req = Request(str(seed), tokens, greedy(64), speculation=Speculation(5))
     scheduler.add(req)
-    [chunk] = [c for c in scheduler.schedule() if c.request is req]
+    [chunk] = [c for c in scheduler.schedule().chunks if c.request is req]
     req.num_computed += chunk.num_tokens
     req.output_ids.append(tokens[0])
     req.state = RequestState.DECODING
@@ -378,7 +375,7 @@ def test_proposals_take_only_what_prompt_chunks_and_the_batch_leave():
     def drafts(scheduler: Scheduler, waiting: int = 0) -> tuple[int, list[int]]:
         if waiting:
             scheduler.add(Request("p", prompt(waiting), greedy(1)))
-        chunks = scheduler.schedule()
+        chunks = scheduler.schedule().chunks
         prompt_tokens = sum(c.num_tokens for c in chunks if not c.request.is_decoding)
         for c in chunks:  # as the engine does after a verification that accepted nothing
             if c.draft:

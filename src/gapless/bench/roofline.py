@@ -190,10 +190,10 @@ def time_model(
 ) -> tuple[list[dict], list[dict], dict, str]:
     """Prefill chunks, decode steps, a chunk at a long history against a fresh one, and the
     kernels the probe picked."""
+    from gapless.engine.plan import ScheduledChunk
     from gapless.engine.request import Request
     from gapless.engine.runner import ModelRunner
     from gapless.engine.sampling_params import SamplingParams
-    from gapless.engine.scheduler import ScheduledChunk
     from gapless.model.loader import load_decoder
 
     decoder = load_decoder(model_dir, str(dtype).removeprefix("torch."))

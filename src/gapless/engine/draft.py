@@ -15,9 +15,9 @@ num_computed, which after a verification covers the accepted proposals and nothi
 
 from __future__ import annotations
 
+from gapless.engine.plan import DraftPlan
 from gapless.engine.request import Request
 from gapless.engine.runner import ChunkInput, ModelRunner
-from gapless.engine.speculation import DraftPlan
 from gapless.kv.block_pool import BlockPool
 from gapless.model.decoder import Decoder
 from gapless.model.tokenizer import Tokenizer

@@ -27,11 +27,12 @@ from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEven
 from gapless.engine.metrics import EngineMetrics
 from gapless.engine.options import check, option, split
 from gapless.engine.output import OutputStream
+from gapless.engine.plan import ScheduledChunk, StepPlan
 from gapless.engine.request import POOLINGS, Request, RequestState
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampler import SamplingState, TokenCounts, sample, top_logprobs
 from gapless.engine.sampling_params import SamplingParams
-from gapless.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from gapless.engine.scheduler import Scheduler, SchedulerConfig
 from gapless.engine.speculation import Speculation
 from gapless.engine.structured import GrammarCompiler, GrammarError
 from gapless.kernels import DTYPES
@@ -271,6 +272,7 @@ class Engine:
             self.max_model_len,
             window_groups,
             encode_cost,
+            None if self.draft is None else self.draft.unseen,
         )
         self.eos_ids = set(tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer, mcfg.vocab_size, sorted(self.eos_ids))
@@ -467,7 +469,7 @@ class Engine:
                 raise RequestError(f"the grammar does not compile: {e}", "grammar") from e
         speculation = None
         if self.config.speculate != "none" and params.speculate:
-            speculation = Speculation(self.config.num_speculative_tokens, self.draft)
+            speculation = Speculation(self.config.num_speculative_tokens)
         return Request(
             request_id,
             list(checked),
@@ -523,9 +525,11 @@ class Engine:
         events: list[Event] = []
         self._take_incoming(events)
         started = time.perf_counter()
-        chunks = self.scheduler.schedule()
-        if not chunks:
+        plan = self.scheduler.schedule()
+        self._propose(plan)
+        if not plan.chunks:
             return events
+        chunks = plan.chunks
         decodes = [c for c in chunks if c.request.is_decoding]
         decode_tokens = sum(c.num_tokens for c in decodes)
         prefill_tokens = sum(c.num_tokens for c in chunks) - decode_tokens
@@ -561,6 +565,17 @@ class Engine:
         if self.cost_model is not None:
             self.cost_model.observe(features, elapsed)
         return events
+
+    def _propose(self, plan: StepPlan) -> None:
+        """The draft model's part of the plan: it forgets what it held for the requests the
+        plan preempted, reads and proposes, and the scheduler puts its proposals in the
+        decodes' chunks."""
+        if self.draft is None:
+            return
+        for request in plan.preempted:
+            self.draft.release(request)
+        if plan.drafts:
+            self.scheduler.verify(plan, self.draft.propose(plan.drafts))
 
     def _forward(
         self, events: list[Event], chunks: list[ScheduledChunk]
@@ -788,6 +803,8 @@ class Engine:
         if req.state is RequestState.FINISHED:
             return  # a fork already ended with the choice it waited on
         self.scheduler.remove(req)
+        if self.draft is not None:
+            self.draft.release(req)
         req.state = RequestState.FINISHED
         req.finish_time = time.monotonic()
         with self._lock:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
-from gapless.engine.scheduler import ScheduledChunk
 from gapless.kernels import AttentionLayout, AttentionPlan, Span
 from gapless.kv.groups import LayerGroups, first_needed_block
 from gapless.model.decoder import BatchInput, Decoder

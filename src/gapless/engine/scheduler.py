@@ -47,11 +47,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gapless.engine.options import check, option
+from gapless.engine.plan import DraftPlan, ScheduledChunk, StepPlan
 from gapless.engine.request import Request, RequestState
-from gapless.engine.speculation import DraftPlan
 from gapless.kv.block_pool import BlockPool
 from gapless.kv.groups import KVGroup, first_needed_block
 from gapless.kv.prefix_cache import block_hashes
@@ -60,18 +60,6 @@ from gapless.kv.prefix_cache import block_hashes
 # to 16 rows on their integer path (BlockLinear's gemv_max_rows); a 17th row sends the step
 # to the dequantizing path: on SmolLM2's Q4_1 file, 30 ms for 16 rows, 115 ms for 17.
 VERIFY_ROWS = 16
-
-
-@dataclass
-class ScheduledChunk:
-    request: Request
-    num_tokens: int
-    # A decode's proposed tokens, verified after its last sampled token (num_tokens counts
-    # them).
-    draft: list[int] = field(default_factory=list)
-    # (index into request.images, units of its encode) run in this step, before its forward.
-    # A chunk of 0 tokens only encodes: its prompt waits for the image's encode to complete.
-    encodes: list[tuple[int, int]] = field(default_factory=list)
 
 
 class PrefillPolicy:
@@ -165,10 +153,12 @@ class Scheduler:
         max_model_len: int | None = None,
         window_groups: list[KVGroup] | None = None,
         encode_cost: Callable[[int, int], int] | None = None,
+        draft_unseen: Callable[[Request], int] | None = None,
     ) -> None:
         """`pool` and `window`: KV group 0's (kv/groups.py), whose blocks are each request's
         block_table; `window_groups`: the sliding-window groups of a hybrid model, whose blocks
-        are its window_tables."""
+        are its window_tables. `draft_unseen`: with a draft model, how many of a request's
+        tokens it has yet to read (DraftModel.unseen); None: proposals come by prompt lookup."""
         self.config = config
         self.policy = PREFILL_POLICIES[config.prefill_policy]
         self.pool = pool
@@ -182,6 +172,8 @@ class Scheduler:
         # An encode's charge against the prompt budget, given its placeholder tokens and where
         # the chunk starts (None: its placeholder tokens).
         self.encode_cost = encode_cost
+        self.draft_unseen = draft_unseen
+        self._preempted: list[Request] = []  # in this step, for its plan
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admitted: prefilling or decoding
         self._admissions = 0
@@ -206,7 +198,9 @@ class Scheduler:
             self.running.remove(request)
         self._release_blocks(request)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> StepPlan:
+        """What the next step runs. Calls no model: a draft model's work is in the plan's
+        drafts, and its proposals come back through verify()."""
         decodes = self._schedule_decodes()
         chunks = list(decodes)
         self.steps += 1
@@ -248,9 +242,9 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, n, encodes=encodes))
             budget -= n + charge
             left -= n + charge
-        if speculating:
-            self._speculate(decodes, left, VERIFY_ROWS - len(decodes))
-        return chunks
+        drafts = self._speculate(decodes, left, VERIFY_ROWS - len(decodes)) if speculating else []
+        preempted, self._preempted = self._preempted, []
+        return StepPlan(chunks, drafts, preempted)
 
     def _encodes(
         self, request: Request, n: int, budget: int, first: bool
@@ -289,13 +283,14 @@ class Scheduler:
                 n = min(n, budget - charge)
         return max(n, 0), encodes, charge
 
-    def _speculate(self, decodes: list[ScheduledChunk], tokens: int, rows: int) -> None:
+    def _speculate(self, decodes: list[ScheduledChunk], tokens: int, rows: int) -> list[DraftPlan]:
         """Gives decodes, in admission order, tokens their proposers propose, while the step
         has `tokens` tokens and `rows` rows left to verify: each no more than its request can
-        still emit, and only into free KV. A draft model first reads the tokens it has not
-        seen (a whole prompt, at first), in chunks that count against `tokens` as its
-        proposals do; it proposes only once it has read them all, in forwards batched over
-        the step's requests."""
+        still emit, and only into free KV. Prompt lookup's proposals go in their chunks now.
+        A draft model's are planned: it first reads the tokens it has not seen (a whole prompt,
+        at first), in chunks that count against `tokens` as its proposals do; it proposes only
+        once it has read them all, in forwards batched over the step's requests (the engine
+        runs them, then verify())."""
         plans: list[DraftPlan] = []
         for chunk in decodes:
             request, speculation = chunk.request, chunk.request.speculation
@@ -310,22 +305,25 @@ class Scheduler:
             most = min(most, self._room(request) - 1)
             if most <= 0:
                 continue
-            if speculation.draft is None:
+            if self.draft_unseen is None:
                 used = self._verify(chunk, speculation.propose(request, most, len(decodes)))
                 tokens, rows = tokens - used, rows - used
                 continue
             k = min(most, speculation.limit(len(decodes)))
             if k <= 0:
                 continue
-            unseen = speculation.draft.unseen(request)
+            unseen = self.draft_unseen(request)
             catch_up = min(unseen, tokens)
             k = min(k, tokens - catch_up) if catch_up == unseen else 0
             plans.append(DraftPlan(request, catch_up, k))
             tokens, rows = tokens - catch_up - k, rows - k
-        if plans:  # every request's draft is the engine's one DraftModel
-            proposals = plans[0].request.speculation.draft.propose(plans)
-            for chunk in decodes:
-                self._verify(chunk, proposals.get(chunk.request, []))
+        return plans
+
+    def verify(self, plan: StepPlan, proposals: dict[Request, list[int]]) -> None:
+        """Puts the draft model's proposals for the plan's decodes in their chunks, where free
+        KV holds them."""
+        for chunk in plan.decodes:
+            self._verify(chunk, proposals.get(chunk.request, []))
 
     def _verify(self, chunk: ScheduledChunk, draft: list[int]) -> int:
         """Puts a decode's proposed tokens in its chunk, if free KV holds them; returns how
@@ -358,6 +356,7 @@ class Scheduler:
         request.num_computed = 0
         request.preemptions += 1
         self.preemptions += 1
+        self._preempted.append(request)
         self.waiting.insert(0, request)
 
     def _admit(self, request: Request) -> bool:
@@ -506,8 +505,6 @@ class Scheduler:
     def _release_blocks(self, request: Request) -> None:
         for group, table in zip(self.groups, self._tables(request), strict=True):
             group.pool.release([b for b in table if b >= 0])
-        if request.speculation is not None:
-            request.speculation.release(request)
         request.block_table = []
         request.window_tables = []
         request.block_hashes = []

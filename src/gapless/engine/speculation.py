@@ -2,7 +2,8 @@
 
 A decoding request with k proposed tokens runs as one span of k + 1 query tokens (its last
 sampled token, then the proposals) beside the step's other decodes and prompt chunks
-(Scheduler._speculate picks k), and its k + 1 rows of logits are sampled in order
+(Scheduler._speculate picks k; a draft model's proposals are made by the engine between the
+plan and the forward), and its k + 1 rows of logits are sampled in order
 (Engine._sample_runs): row j's token is drawn exactly as a plain decode would draw it, with
 the request's own generator, grammar mask, penalties and logprobs, after the tokens before
 it were accepted. If that token is proposal j, the proposal is accepted and row j + 1 is
@@ -26,12 +27,7 @@ How many tokens a request proposes follows how its proposals have fared (Specula
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from gapless.engine.draft import DraftModel
-    from gapless.engine.request import Request
+from typing import Protocol
 
 # Prompt lookup matches the last NGRAM_MAX, then fewer, down to NGRAM_MIN tokens. A single
 # token matches almost anywhere and rarely predicts what follows.
@@ -54,22 +50,21 @@ DECAY = 0.75
 PROBE_EVERY = 8
 
 
-@dataclass
-class DraftPlan:
-    """What the draft does for a request in a step (Scheduler._speculate decides)."""
+class Tokens(Protocol):
+    """A request's tokens so far, prompt then output (Request is one)."""
 
-    request: Request
-    catch_up: int  # its unseen tokens to read (DraftModel.unseen), at most the step affords
-    k: int  # the tokens to propose once it has read them all
+    @property
+    def num_tokens(self) -> int: ...
+
+    def tokens(self, start: int, end: int) -> list[int]: ...
 
 
 class Speculation:
-    """One request's proposer (prompt lookup, or the engine's draft model) and the record of
-    its proposals' fate."""
+    """The record of one request's proposals' fate, which sets how many it proposes, and its
+    prompt lookup (the engine's draft model, where there is one, proposes instead)."""
 
-    def __init__(self, max_tokens: int, draft: DraftModel | None = None) -> None:
+    def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens  # the most tokens it proposes in a step
-        self.draft = draft
         # The request's tokens (prompt, then accepted output) as little-endian int32, so the
         # latest earlier match of its last tokens is one bytes.rfind away, however long the
         # prompt.
@@ -108,12 +103,11 @@ class Speculation:
         self.accepted = DECAY * self.accepted + accepted
         self.rejected = DECAY * self.rejected + (accepted < proposed)
 
-    def propose(self, request: Request, most: int, batch: int) -> list[int]:
-        """By prompt lookup (a draft model's proposals are batched over the step instead,
-        DraftModel.propose): up to `most` tokens to follow the request's prompt and output,
-        beside `batch` decodes: what followed the latest earlier occurrence of its last
-        NGRAM_MAX tokens, else of fewer, down to NGRAM_MIN. (Its tokens only ever grow:
-        rejected proposals never join them.)"""
+    def propose(self, request: Tokens, most: int, batch: int) -> list[int]:
+        """By prompt lookup: up to `most` tokens to follow the request's tokens, beside `batch`
+        decodes: what followed the latest earlier occurrence of its last NGRAM_MAX tokens,
+        else of fewer, down to NGRAM_MIN. (Its tokens only ever grow: rejected proposals
+        never join them.)"""
         k = min(most, self.limit(batch))
         if k <= 0:
             return []
@@ -132,8 +126,3 @@ class Speculation:
                     return request.tokens(follow, min(follow + k, total))
                 stop = at + len(needle) - 1
         return []
-
-    def release(self, request: Request) -> None:
-        """Frees what proposing held for the request (the draft model's K/V blocks)."""
-        if self.draft is not None:
-            self.draft.release(request)

@@ -1,0 +1,47 @@
+"""The messages of a step. The scheduler plans what a step runs (Scheduler.schedule) and
+calls no model; the engine carries the plan out (the draft model's proposals, the encodes,
+the forward, the sampling) and hands back what came of it (Scheduler.update), the one place
+where a request's KV bookkeeping moves. The runner reads the plan's chunks and nothing of
+the scheduler's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gapless.engine.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_tokens: int
+    # A decode's proposed tokens, verified after its last sampled token (num_tokens counts
+    # them).
+    draft: list[int] = field(default_factory=list)
+    # (index into request.images, units of its encode) run in this step, before its forward.
+    # A chunk of 0 tokens only encodes: its prompt waits for the image's encode to complete.
+    encodes: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class DraftPlan:
+    """What the draft model does for a request in a step (the scheduler decides)."""
+
+    request: Request
+    catch_up: int  # its unseen tokens to read (DraftModel.unseen), at most the step affords
+    k: int  # the tokens to propose once it has read them all
+
+
+@dataclass
+class StepPlan:
+    # Decodes first, in admission order, then prompt chunks in the prefill policy's order.
+    chunks: list[ScheduledChunk]
+    # The draft model's work before the forward: the engine runs it, and Scheduler.verify
+    # puts its proposals in the decodes' chunks.
+    drafts: list[DraftPlan] = field(default_factory=list)
+    # Requests preempted to make room for this step: their KV is gone, the draft's too.
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def decodes(self) -> list[ScheduledChunk]:
+        return [c for c in self.chunks if c.request.is_decoding]
