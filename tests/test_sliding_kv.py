@@ -10,6 +10,7 @@ from test_engine import finished, greedy, prompt, run, tokens
 from test_model import hf_model
 
 from gapless import LLM, Engine, EngineConfig
+from gapless.engine.plan import StepOutcome
 from gapless.engine.request import Request, RequestState
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampling_params import SamplingParams
@@ -164,9 +165,8 @@ def scheduled(scheduler: Scheduler, request: Request) -> None:
     """Runs the request's prompt through the scheduler as if the forwards had run it."""
     scheduler.add(request)
     while request.num_uncomputed:
-        [chunk] = scheduler.schedule().chunks
-        request.num_computed += chunk.num_tokens
-        scheduler.register_computed_blocks(request)
+        plan = scheduler.schedule()
+        scheduler.update(plan, StepOutcome(computed=plan.chunks))
 
 
 def test_a_prefix_is_served_only_as_far_as_every_group_holds_the_next_window():

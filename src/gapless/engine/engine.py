@@ -27,7 +27,7 @@ from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEven
 from gapless.engine.metrics import EngineMetrics
 from gapless.engine.options import check, option, split
 from gapless.engine.output import OutputStream
-from gapless.engine.plan import ScheduledChunk, StepPlan
+from gapless.engine.plan import Fork, ScheduledChunk, StepOutcome, StepPlan
 from gapless.engine.request import POOLINGS, Request, RequestState
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampler import SamplingState, TokenCounts, sample, top_logprobs
@@ -283,6 +283,9 @@ class Engine:
         self._requests: dict[str, list[Request]] = {}  # by id: the live choices
         self._incoming: deque[Request] = deque()
         self._cancels: deque[str] = deque()
+        # Requests ended since the scheduler last dropped the ended ones: in a step, it does
+        # so when it books the step (Scheduler.update), after their computed blocks.
+        self._ended: dict[Request, None] = {}
         self._lock = threading.Lock()
         self._close: Callable[[], object] = lambda: None
 
@@ -530,7 +533,7 @@ class Engine:
         if not plan.chunks:
             return events
         chunks = plan.chunks
-        decodes = [c for c in chunks if c.request.is_decoding]
+        decodes = plan.decodes
         decode_tokens = sum(c.num_tokens for c in decodes)
         prefill_tokens = sum(c.num_tokens for c in chunks) - decode_tokens
         # A draft's tokens attend as decodes do (runner), and cost as much.
@@ -544,20 +547,25 @@ class Engine:
             ),
         )
         for chunk in [c for c in chunks if not c.num_tokens]:  # an encode alone: no rows
-            chunks.remove(chunk)
             try:
                 self.runner.encode(chunk)
             except Exception as exc:
                 self._fail(events, chunk.request, exc)
+        outcome = StepOutcome()
+        forks = {fork.parent: fork for fork in plan.forks}
         runs: list[tuple[Request, torch.Tensor, list[int]]] = []
-        for chunk, rows in self._forward(events, chunks) if chunks else ():
+        for chunk, rows in self._forward(events, [c for c in chunks if c.num_tokens]):
+            outcome.computed.append(chunk)
             try:
                 # A draft's chunk has a row per token; the last 1 + len(draft) are sampled.
                 last = rows[len(rows) - 1 - len(chunk.draft) :]
-                runs += [(req, last, chunk.draft) for req in self._advance(events, chunk, rows)]
+                fork = forks.get(chunk.request)
+                runs += [(req, last, chunk.draft) for req in self._read(events, chunk, rows, fork)]
             except Exception as exc:
                 self._fail(events, chunk.request, exc)
-        self._sample_runs(events, runs)
+        self._sample_runs(events, runs, outcome)
+        outcome.finished = self._take_ended()
+        self.runner.copy_blocks(self.scheduler.update(plan, outcome))
         self.num_steps += 1
         elapsed = time.perf_counter() - started
         self.metrics.step_time.observe(elapsed)
@@ -583,6 +591,8 @@ class Engine:
         """Each chunk with its logits, from one forward. If that fails, the chunks run one at a
         time and only those that fail alone fail their requests. (Rewriting a chunk's K/V is
         harmless: the same tokens write the same values.)"""
+        if not chunks:
+            return []
         every_row = [
             c.request.num_computed < len(c.request.prompt_ids)
             and c.request.params.prompt_logprobs is not None
@@ -606,25 +616,24 @@ class Engine:
                 self._fail(events, chunk.request, exc)
         return survivors
 
-    def _advance(
-        self, events: list[Event], chunk: ScheduledChunk, rows: torch.Tensor
+    def _read(
+        self, events: list[Event], chunk: ScheduledChunk, rows: torch.Tensor, fork: Fork | None
     ) -> list[Request]:
-        """Books a computed chunk; returns the requests that now sample a token from rows[-1]:
-        its own, and when it completes a prompt with n choices, the forked ones too."""
+        """Reads a computed chunk's rows (prompt logprobs, pooling, progress); returns the
+        requests that now sample a token from rows[-1]: its own, and when it completes a prompt
+        with n choices, the ones the plan forks from it. (Scheduler.update books the chunk.)"""
         req = chunk.request
-        in_prompt = req.num_computed < len(req.prompt_ids)
+        start = req.num_computed
+        in_prompt = start < len(req.prompt_ids)
         if in_prompt and req.params.prompt_logprobs is not None:
-            self._record_prompt_logprobs(req, req.num_computed, rows)
+            self._record_prompt_logprobs(req, start, rows)
         if req.pooling is not None:
-            self._pool(req, req.num_computed, rows[0])
-        # Proposed tokens count as computed only once accepted (_sample_runs).
-        req.num_computed += chunk.num_tokens - len(chunk.draft)
-        req.drop_images_before(req.num_computed)
-        self.scheduler.register_computed_blocks(req)
+            self._pool(req, start, rows[0])
+        computed = start + chunk.num_tokens - len(chunk.draft)  # proposals: once accepted
         if in_prompt and req.first_token_time is None:
-            processed = min(req.num_computed, len(req.prompt_ids))
+            processed = min(computed, len(req.prompt_ids))
             self._emit(events, req, ProgressEvent(req.request_id, processed, len(req.prompt_ids)))
-        if req.num_computed < req.num_tokens:
+        if computed < req.num_tokens:
             return []
         if req.pooling is not None:
             self._finish(events, req, "stop", embedding=self._embedding(req))
@@ -632,14 +641,12 @@ class Engine:
         if req.params.max_tokens == 0:
             self._finish(events, req, "length")
             return []
-        if not req.forks:
+        if fork is None:
             return [req]
-        for fork in req.forks:
-            fork.prompt_logprobs = list(req.prompt_logprobs)
-        forked, copies = self.scheduler.fork(req, req.forks)
+        for child in req.forks:
+            child.prompt_logprobs = list(req.prompt_logprobs)
         req.forks = []
-        self.runner.copy_blocks(copies)
-        return [req, *forked]
+        return [req, *fork.children]
 
     @staticmethod
     def _pool(req: Request, start: int, hidden: torch.Tensor) -> None:
@@ -660,14 +667,17 @@ class Engine:
         return F.normalize(pooled, dim=-1).tolist()
 
     def _sample_runs(
-        self, events: list[Event], runs: list[tuple[Request, torch.Tensor, list[int]]]
+        self,
+        events: list[Event],
+        runs: list[tuple[Request, torch.Tensor, list[int]]],
+        outcome: StepOutcome,
     ) -> None:
         """Samples each request's rows in order, all requests' row j in one batch, and appends
         each token as it comes. A request's next row is sampled only while its tokens are its
         draft's: row j's logits saw draft[j] in the context, so they are the next token's only
         if draft[j] is what was drawn (speculation.py says why this keeps the distribution).
-        Then each verified request keeps the K/V of its accepted proposals and drops the
-        rest."""
+        The outcome gets who sampled, and each verified request's accepted proposals (whose
+        K/V it keeps; the rest is dropped: Scheduler.update)."""
         rows_of = {req: rows for req, rows, _ in runs}
         draft_of = {req: draft for req, _, draft in runs}
         accepted = dict.fromkeys(draft_of, 0)
@@ -682,10 +692,12 @@ class Engine:
                 except Exception as exc:
                     self._fail(events, req, exc)
                     continue
+                if position == 0:
+                    outcome.sampled.append(req)
                 draft = draft_of[req]
                 if position < len(draft) and token == draft[position]:
                     accepted[req] += 1
-                    if req.state is not RequestState.FINISHED:
+                    if req not in self._ended:
                         live.append(req)
             position += 1
         for req, draft in draft_of.items():
@@ -694,9 +706,7 @@ class Engine:
             req.speculation.observe(len(draft), accepted[req])
             self.metrics.speculative_proposed_tokens += len(draft)
             self.metrics.speculative_accepted_tokens += accepted[req]
-            if req.state is not RequestState.FINISHED:
-                req.num_computed += accepted[req]
-                self.scheduler.settle_speculation(req)
+            outcome.accepted[req] = accepted[req]
 
     def _sample(
         self, events: list[Event], batch: list[tuple[Request, torch.Tensor]]
@@ -740,7 +750,13 @@ class Engine:
         for choices in list(self._requests.values()):
             for req in list(choices):
                 self._finish(events, req, "error", error)
+        self.scheduler.finish(self._take_ended())
         return events
+
+    def _take_ended(self) -> list[Request]:
+        """The requests ended since the last call, for the scheduler to drop."""
+        ended, self._ended = list(self._ended), {}
+        return ended
 
     def _take_incoming(self, events: list[Event]) -> None:
         with self._lock:
@@ -751,6 +767,7 @@ class Engine:
         for request_id in cancels:
             for req in list(self._requests.get(request_id, [])):
                 self._finish(events, req, "cancelled")
+        self.scheduler.finish(self._take_ended())
 
     def _record_prompt_logprobs(self, req: Request, start: int, rows: torch.Tensor) -> None:
         if not req.prompt_logprobs:
@@ -768,7 +785,6 @@ class Engine:
     ) -> None:
         req.sampling.accept(token)
         req.output_ids.append(token)
-        req.state = RequestState.DECODING
         self._observe_token(req)
         finish = req.finish_reason(token, self.eos_ids, self.max_model_len)
         shown = None if req.is_stop_token(token, self.eos_ids) else token
@@ -800,12 +816,11 @@ class Engine:
         error: str | None = None,
         embedding: list[float] | None = None,
     ) -> None:
-        if req.state is RequestState.FINISHED:
+        if req.state is RequestState.FINISHED or req in self._ended:
             return  # a fork already ended with the choice it waited on
-        self.scheduler.remove(req)
+        self._ended[req] = None  # the scheduler drops it (_take_ended)
         if self.draft is not None:
             self.draft.release(req)
-        req.state = RequestState.FINISHED
         req.finish_time = time.monotonic()
         with self._lock:
             choices = self._requests.get(req.request_id, [])

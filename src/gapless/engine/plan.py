@@ -33,6 +33,18 @@ class DraftPlan:
 
 
 @dataclass
+class Fork:
+    """The other choices of a request whose prompt this step completes: each starts on its
+    computed prompt (Scheduler.update), sharing its full blocks and taking its own copy of the
+    partly filled last one, reserved here. Those that do not fit now queue as requests."""
+
+    parent: Request
+    children: list[Request]  # sample from the parent's last row this step
+    blocks: list[list[int]]  # each child's own last block, one per KV group (none: a whole block)
+    waiting: list[Request]  # the rest
+
+
+@dataclass
 class StepPlan:
     # Decodes first, in admission order, then prompt chunks in the prefill policy's order.
     chunks: list[ScheduledChunk]
@@ -41,7 +53,18 @@ class StepPlan:
     drafts: list[DraftPlan] = field(default_factory=list)
     # Requests preempted to make room for this step: their KV is gone, the draft's too.
     preempted: list[Request] = field(default_factory=list)
+    forks: list[Fork] = field(default_factory=list)
 
     @property
     def decodes(self) -> list[ScheduledChunk]:
         return [c for c in self.chunks if c.request.is_decoding]
+
+
+@dataclass
+class StepOutcome:
+    """What came of a plan, for Scheduler.update."""
+
+    computed: list[ScheduledChunk] = field(default_factory=list)  # whose forward ran
+    sampled: list[Request] = field(default_factory=list)  # got a token (forked choices too)
+    accepted: dict[Request, int] = field(default_factory=dict)  # of its verified proposals
+    finished: list[Request] = field(default_factory=list)  # ended in the step

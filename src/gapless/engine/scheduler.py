@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gapless.engine.options import check, option
-from gapless.engine.plan import DraftPlan, ScheduledChunk, StepPlan
+from gapless.engine.plan import DraftPlan, Fork, ScheduledChunk, StepOutcome, StepPlan
 from gapless.engine.request import Request, RequestState
 from gapless.kv.block_pool import BlockPool
 from gapless.kv.groups import KVGroup, first_needed_block
@@ -244,7 +244,8 @@ class Scheduler:
             left -= n + charge
         drafts = self._speculate(decodes, left, VERIFY_ROWS - len(decodes)) if speculating else []
         preempted, self._preempted = self._preempted, []
-        return StepPlan(chunks, drafts, preempted)
+        forks = [self._plan_fork(c.request) for c in chunks if self._completes_with_forks(c)]
+        return StepPlan(chunks, drafts, preempted, forks)
 
     def _encodes(
         self, request: Request, n: int, budget: int, first: bool
@@ -413,41 +414,99 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
 
-    def fork(
-        self, parent: Request, children: list[Request]
-    ) -> tuple[list[Request], list[list[tuple[int, int]]]]:
-        """Starts the children on the parent's computed prompt: its full KV blocks shared by
-        reference, its partly filled last block copied (their next tokens differ). A child
-        that does not fit now (sequence cap, no free block) waits as an ordinary request.
+    @staticmethod
+    def _completes_with_forks(chunk: ScheduledChunk) -> bool:
+        """The chunk completes a prompt whose other choices then sample from its last row."""
+        request = chunk.request
+        return (
+            bool(request.forks)
+            and request.num_computed + chunk.num_tokens == request.num_tokens
+            and request.params.max_tokens > 0
+        )
 
-        Returns the forked children, which sample from the parent's last logits, and for each
-        KV group the (source, destination) blocks whose K/V the runner must copy."""
-        bs = self.pool.block_size
-        full, partial = divmod(parent.num_computed, bs)
-        forked: list[Request] = []
-        copies: list[list[tuple[int, int]]] = [[] for _ in self.groups]
-        for child in children:
-            if len(self.running) >= self.config.max_num_seqs or (
+    def _plan_fork(self, parent: Request) -> Fork:
+        """The parent's other choices that start on its prompt once this step computes it,
+        each with its own copy of the prompt's partly filled last block reserved; a choice
+        that does not fit now (sequence cap, no free block) waits as an ordinary request."""
+        partial = parent.num_tokens % self.pool.block_size
+        fork = Fork(parent, [], [], [])
+        for child in parent.forks:
+            starts = len(self.running) + len(fork.children)
+            if starts >= self.config.max_num_seqs or (
                 partial and not all(g.pool.num_available for g in self.groups)
             ):
-                self.add(child)
+                fork.waiting.append(child)
+                continue
+            fork.children.append(child)
+            fork.blocks.append([g.pool.allocate(1)[0] for g in self.groups] if partial else [])
+        return fork
+
+    def update(self, plan: StepPlan, outcome: StepOutcome) -> list[list[tuple[int, int]]]:
+        """Books what a step did, the one place a request's KV state moves: each computed
+        chunk's tokens (proposed ones only once accepted), its full blocks offered to the
+        prefix cache; the forks of the prompts it completed; the requests that got a token
+        decoding; each verified request's accepted proposals, and the blocks of its rejected
+        ones released; and the requests that ended, removed. Returns, for each KV group, the
+        (source, destination) blocks whose K/V the runner must copy for the forks."""
+        for chunk in outcome.computed:
+            request = chunk.request
+            request.num_computed += chunk.num_tokens - len(chunk.draft)
+            request.drop_images_before(request.num_computed)
+            self._register_computed_blocks(request)
+        computed, finished = {c.request for c in outcome.computed}, set(outcome.finished)
+        copies: list[list[tuple[int, int]]] = [[] for _ in self.groups]
+        for fork in plan.forks:
+            self._fork(fork, fork.parent in computed, finished, copies)
+        for request in outcome.sampled:
+            request.state = RequestState.DECODING
+        for request, accepted in outcome.accepted.items():
+            if request not in finished:
+                request.num_computed += accepted
+                self._settle_speculation(request)
+        self.finish(outcome.finished)
+        return copies
+
+    def _fork(
+        self,
+        fork: Fork,
+        computed: bool,
+        finished: set[Request],
+        copies: list[list[tuple[int, int]]],
+    ) -> None:
+        """Starts the fork's children on the parent's computed prompt: its full KV blocks shared
+        by reference, the partly filled last one copied into their own (their next tokens
+        differ). Where the parent's chunk failed, or a child ended, its reserved blocks go back."""
+        parent, bs = fork.parent, self.pool.block_size
+        full = parent.num_computed // bs
+        for child, own in zip(fork.children, fork.blocks, strict=True):
+            if not computed or child in finished:
+                for group, block in zip(self.groups, own, strict=False):
+                    group.pool.release([block])
                 continue
             tables = []
-            for group, table, pairs in zip(self.groups, self._tables(parent), copies, strict=True):
+            for i, (group, table) in enumerate(zip(self.groups, self._tables(parent), strict=True)):
                 group.pool.share([b for b in table[:full] if b >= 0])
                 tables.append(table[:full])
-                if partial:
-                    [own] = group.pool.allocate(1)
-                    pairs.append((table[full], own))
-                    tables[-1].append(own)
+                if own:
+                    copies[i].append((table[full], own[i]))
+                    tables[-1].append(own[i])
             child.block_table, *child.window_tables = tables
             child.num_computed = parent.num_computed
             child.block_hashes = parent.block_hashes[:full]
             child.num_registered = min(parent.num_registered, full)
             child.cached_prompt_tokens = parent.cached_prompt_tokens
             self._start(child)
-            forked.append(child)
-        return forked, copies
+        if computed:
+            for child in fork.waiting:
+                if child not in finished:
+                    self.add(child)
+
+    def finish(self, requests: list[Request]) -> None:
+        """Ends requests (done, cancelled or failed): each dropped wherever it is, its KV
+        released."""
+        for request in requests:
+            self.remove(request)
+            request.state = RequestState.FINISHED
 
     def _tables(self, request: Request) -> list[list[int]]:
         """The request's block table in each KV group (empty ones before it is admitted)."""
@@ -511,17 +570,17 @@ class Scheduler:
         request.num_registered = 0
         request.drop_images()
 
-    def settle_speculation(self, request: Request) -> None:
+    def _settle_speculation(self, request: Request) -> None:
         """After a verification moved num_computed past the accepted proposals: offers their
         full blocks to the prefix cache and releases the blocks that held only rejected ones
         (whose K/V, past num_computed, is overwritten before anything reads it)."""
-        self.register_computed_blocks(request)
+        self._register_computed_blocks(request)
         keep = -(-request.num_tokens // self.pool.block_size)
         for group, table in zip(self.groups, self._tables(request), strict=True):
             group.pool.release([b for b in table[keep:] if b >= 0])
             del table[keep:]
 
-    def register_computed_blocks(self, request: Request) -> None:
+    def _register_computed_blocks(self, request: Request) -> None:
         """Offers the request's newly full blocks to the prefix cache."""
         if not self.config.enable_prefix_cache:
             return
