@@ -532,46 +532,13 @@ class Engine:
         self._propose(plan)
         if not plan.chunks:
             return events
-        chunks = plan.chunks
-        decodes = plan.decodes
-        decode_tokens = sum(c.num_tokens for c in decodes)
-        prefill_tokens = sum(c.num_tokens for c in chunks) - decode_tokens
-        # A draft's tokens attend as decodes do (runner), and cost as much.
-        features = step_features(
-            [c.request.num_computed + 1 + i for c in decodes for i in range(c.num_tokens)],
-            [(c.num_tokens, c.request.num_computed) for c in chunks if not c.request.is_decoding],
-            sum(
-                c.request.images[i].length * units / c.request.images[i].units
-                for c in chunks
-                for i, units in c.encodes
-            ),
-        )
-        for chunk in [c for c in chunks if not c.num_tokens]:  # an encode alone: no rows
-            try:
-                self.runner.encode(chunk)
-            except Exception as exc:
-                self._fail(events, chunk.request, exc)
+        features = self._features(plan)  # before the update moves num_computed
         outcome = StepOutcome()
-        forks = {fork.parent: fork for fork in plan.forks}
-        runs: list[tuple[Request, torch.Tensor, list[int]]] = []
-        for chunk, rows in self._forward(events, [c for c in chunks if c.num_tokens]):
-            outcome.computed.append(chunk)
-            try:
-                # A draft's chunk has a row per token; the last 1 + len(draft) are sampled.
-                last = rows[len(rows) - 1 - len(chunk.draft) :]
-                fork = forks.get(chunk.request)
-                runs += [(req, last, chunk.draft) for req in self._read(events, chunk, rows, fork)]
-            except Exception as exc:
-                self._fail(events, chunk.request, exc)
+        runs = self._execute(events, plan, outcome)
         self._sample_runs(events, runs, outcome)
         outcome.finished = self._take_ended()
         self.runner.copy_blocks(self.scheduler.update(plan, outcome))
-        self.num_steps += 1
-        elapsed = time.perf_counter() - started
-        self.metrics.step_time.observe(elapsed)
-        self.last_step = (decode_tokens, prefill_tokens, elapsed)
-        if self.cost_model is not None:
-            self.cost_model.observe(features, elapsed)
+        self._observe_step(plan, features, time.perf_counter() - started)
         return events
 
     def _propose(self, plan: StepPlan) -> None:
@@ -584,6 +551,54 @@ class Engine:
             self.draft.release(request)
         if plan.drafts:
             self.scheduler.verify(plan, self.draft.propose(plan.drafts))
+
+    def _execute(
+        self, events: list[Event], plan: StepPlan, outcome: StepOutcome
+    ) -> list[tuple[Request, torch.Tensor, list[int]]]:
+        """Runs the plan's encodes and its forward, and reads each computed chunk's rows.
+        Returns each request that samples now with its rows to sample and its proposals."""
+        for chunk in [c for c in plan.chunks if not c.num_tokens]:  # an encode alone: no rows
+            try:
+                self.runner.encode(chunk)
+            except Exception as exc:
+                self._fail(events, chunk.request, exc)
+        forks = {fork.parent: fork for fork in plan.forks}
+        runs: list[tuple[Request, torch.Tensor, list[int]]] = []
+        for chunk, rows in self._forward(events, [c for c in plan.chunks if c.num_tokens]):
+            outcome.computed.append(chunk)
+            try:
+                # A draft's chunk has a row per token; the last 1 + len(draft) are sampled.
+                last = rows[len(rows) - 1 - len(chunk.draft) :]
+                fork = forks.get(chunk.request)
+                runs += [(req, last, chunk.draft) for req in self._read(events, chunk, rows, fork)]
+            except Exception as exc:
+                self._fail(events, chunk.request, exc)
+        return runs
+
+    @staticmethod
+    def _features(plan: StepPlan) -> list[float]:
+        """The step's features for the cost model (cost_model.step_features)."""
+        decodes = plan.decodes
+        prompts = [c for c in plan.chunks if not c.request.is_decoding]
+        # A draft's tokens attend as decodes do (runner), and cost as much.
+        return step_features(
+            [c.request.num_computed + 1 + i for c in decodes for i in range(c.num_tokens)],
+            [(c.num_tokens, c.request.num_computed) for c in prompts],
+            sum(
+                c.request.images[i].length * units / c.request.images[i].units
+                for c in plan.chunks
+                for i, units in c.encodes
+            ),
+        )
+
+    def _observe_step(self, plan: StepPlan, features: list[float], elapsed: float) -> None:
+        decode_tokens = sum(c.num_tokens for c in plan.decodes)
+        prefill_tokens = sum(c.num_tokens for c in plan.chunks) - decode_tokens
+        self.num_steps += 1
+        self.metrics.step_time.observe(elapsed)
+        self.last_step = (decode_tokens, prefill_tokens, elapsed)
+        if self.cost_model is not None:
+            self.cost_model.observe(features, elapsed)
 
     def _forward(
         self, events: list[Event], chunks: list[ScheduledChunk]
