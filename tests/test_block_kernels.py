@@ -23,7 +23,7 @@ from helpers import require_our_kernels
 from gapless.kernels import blocks, probe, step_ops
 from gapless.kernels.extensions import GGUF_BLOCKS
 from gapless.kernels.linear import BlockLinear
-from gapless.kernels.probe import machine
+from gapless.kernels.machine import machine
 from gapless.kernels.quant import BlockQuant
 
 TYPES = {

@@ -17,7 +17,7 @@ from helpers import require_our_kernels
 from gapless import kernels
 from gapless.kernels import blocks, build, paged, probe
 from gapless.kernels.extensions import EXTENSIONS, GGUF_BLOCKS, PACKAGE, PAGED_ATTENTION
-from gapless.kernels.probe import Machine, machine
+from gapless.kernels.machine import Machine, machine
 
 CPU = torch.device("cpu")
 BUILDS = [

@@ -17,6 +17,7 @@ from gapless import LLM, SamplingParams
 from gapless.engine.runner import ModelRunner
 from gapless.kernels.extensions import PAGED_ATTENTION
 from gapless.kernels.linear import Int4Linear, NarrowLinear, PackedLinear, PlainLinear
+from gapless.kernels.machine import Machine
 from gapless.kernels.plans import (
     AttentionLayout,
     GatheredPlan,
@@ -25,7 +26,7 @@ from gapless.kernels.plans import (
     Planner,
     Span,
 )
-from gapless.kernels.probe import Machine, packed_linear_works
+from gapless.kernels.probe import packed_linear_works
 from gapless.model.loader import load_decoder
 from gapless.model.quantize import quantize_int4
 

@@ -319,7 +319,7 @@ def test_speculative_sampling_keeps_the_next_token_distribution(checkpoint, monk
     # before after an acceptance (0.23); 0.88 at total variation 0.11, 0.06 at 0.06 (mixtures
     # of the right distribution and the first). Its false alarm rate was 0.005.
     # Speculate at any batch.
-    monkeypatch.setattr(scheduler_module, "VERIFY_ROWS", 10**6)
+    monkeypatch.setattr(scheduler_module, "DECODE_ROWS", 10**6)
     monkeypatch.setattr(speculation_module, "ROW_COST", 1e-6)
     engine = engine_of(checkpoint("llama", vocab_size=16), max_num_seqs=1024, prefill_chunk=8192)
     ids = pairs_prompt(likely_followers(engine))

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from gapless.kernels import resolve_dtype
-from gapless.kernels.probe import machine
+from gapless.kernels.machine import machine
 from gapless.model.config import ModelConfig
 from gapless.model.loader import expected_shapes
 

@@ -24,13 +24,13 @@ Each step is one hybrid batch:
    unit of still runs one if it is the step's first prompt chunk: such a step exceeds the
    budget by a unit.
 4. What the prompts leave of the budget goes to speculation (speculation.py): decodes, in
-   admission order, get proposed tokens to verify in the same forward, at most VERIFY_ROWS
+   admission order, get proposed tokens to verify in the same forward, at most DECODE_ROWS
    rows of decodes and proposals in all, and only into free KV (no one is preempted for a
    proposal). A draft model's reading of the tokens it has not seen (draft.py) comes out of
    the same share, so a long prompt's catch-up goes in chunks and stalls no one. So
    speculation shrinks before prompt chunks do, and narrows as the batch grows: each request
    proposes fewer (a verified row is worth less beside more decodes), and none from
-   VERIFY_ROWS decodes on.
+   DECODE_ROWS decodes on (kernels.DECODE_ROWS: what the decode kernels take).
 A request marked whole_prefill (submit(), or chunking off) takes its whole prompt at once.
 
 An image whose tokens attend to each other both ways (Gemma 3) is never cut by a chunk: its
@@ -52,14 +52,10 @@ from dataclasses import dataclass
 from gapless.engine.options import check, option
 from gapless.engine.plan import DraftPlan, Fork, ScheduledChunk, StepOutcome, StepPlan
 from gapless.engine.request import Request, RequestState
+from gapless.kernels import DECODE_ROWS
 from gapless.kv.block_pool import BlockPool
 from gapless.kv.groups import KVGroup, first_needed_block
 from gapless.kv.prefix_cache import block_hashes
-
-# Rows of decodes and proposed tokens a step holds at most. The GGUF block kernels multiply up
-# to 16 rows on their integer path (BlockLinear's gemv_max_rows); a 17th row sends the step
-# to the dequantizing path: on SmolLM2's Q4_1 file, 30 ms for 16 rows, 115 ms for 17.
-VERIFY_ROWS = 16
 
 
 class PrefillPolicy:
@@ -242,7 +238,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, n, encodes=encodes))
             budget -= n + charge
             left -= n + charge
-        drafts = self._speculate(decodes, left, VERIFY_ROWS - len(decodes)) if speculating else []
+        drafts = self._speculate(decodes, left, DECODE_ROWS - len(decodes)) if speculating else []
         preempted, self._preempted = self._preempted, []
         forks = [self._plan_fork(c.request) for c in chunks if self._completes_with_forks(c)]
         return StepPlan(chunks, drafts, preempted, forks)

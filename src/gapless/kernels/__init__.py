@@ -26,22 +26,24 @@ from gapless.kernels.linear import (
     PlainLinear,
     as_dtype,
 )
+from gapless.kernels.machine import machine
 from gapless.kernels.plans import AttentionLayout, AttentionPlan, KVCache, Planner, Span
 from gapless.kernels.probe import (
     cpu_flash_works,
     gguf_blocks_work,
     int4_mm_works,
     int8_mm_works,
-    machine,
     packed_linear_works,
     paged_decode_works,
     paged_prefill_works,
 )
 from gapless.kernels.quant import BlockQuant, GroupQuant
+from gapless.kernels.step_ops import DECODE_ROWS
 
 __all__ = [
     "AttentionLayout",
     "AttentionPlan",
+    "DECODE_ROWS",
     "Kernels",
     "Linear",
     "Span",
@@ -51,7 +53,6 @@ __all__ = [
 
 log = logging.getLogger("gapless.kernels")
 
-QUANT_KERNEL_MAX_ROWS = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -70,9 +71,9 @@ class Kernels:
     # Activations' dtype for the int8 / int4 weight-only kernels; None: dequantize instead.
     int8_dtype: torch.dtype | None = None
     int4_dtype: torch.dtype | None = None
-    # Batches of more rows than this dequantize a quantized weight and run the dense matmul:
-    # both int kernels beat that up to 16 rows here, int8's lost at 32 (docs/benchmarks.md).
-    int_kernel_max_rows: int = QUANT_KERNEL_MAX_ROWS
+    # Batches of more rows than this dequantize a quantized weight and run the dense matmul
+    # (step_ops.DECODE_ROWS says why).
+    int_kernel_max_rows: int = DECODE_ROWS
     # GGUF files' quantized weights stay in their blocks, on our block kernels (blocks.py);
     # else Q4_0/Q4_1 unpack for torch's int4 op and other types are dequantized at load.
     gguf_blocks: bool = False

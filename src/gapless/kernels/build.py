@@ -15,7 +15,7 @@ from types import ModuleType
 import platformdirs
 
 from gapless.kernels.extensions import LEVELS, PACKAGE, Extension
-from gapless.kernels.probe import machine
+from gapless.kernels.machine import machine
 
 log = logging.getLogger("gapless.kernels")
 

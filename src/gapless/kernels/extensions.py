@@ -17,7 +17,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
 
-# gcc flags per instruction set, under the names the probe reports (probe.ISA_FLAGS).
+# gcc flags per instruction set, under the names the probe reports (machine.ISA_FLAGS).
 ISA_CFLAGS = {
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),

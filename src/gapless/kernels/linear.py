@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from gapless.kernels import blocks, step_ops
 from gapless.kernels.quant import BlockQuant, GroupQuant
+from gapless.kernels.step_ops import DECODE_ROWS
 
 
 class PlainLinear:
@@ -188,7 +189,7 @@ class BlockLinear:
         self,
         weight: BlockQuant,
         bias: torch.Tensor | None = None,
-        gemv_max_rows: int = 16,
+        gemv_max_rows: int = DECODE_ROWS,
         dense_dtype: torch.dtype | None = None,
         interleave: bool = True,
     ) -> None:

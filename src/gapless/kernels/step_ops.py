@@ -5,7 +5,7 @@ decode batches on the CPU, else on torch's ops.
 Why: a decode step of a small model is mostly fixed costs. Torch spends a few microseconds
 dispatching each op, however few values it touches, and RMSNorm alone was ~10 ops, rope 3-4,
 the cache write 4 and its casts: ~3,400 dispatches a SmolLM2 step. Ours are one call each.
-Prompt chunks (more than MAX_ROWS rows) keep torch's vectorized, threaded ops, and so do
+Prompt chunks (more than DECODE_ROWS rows) keep torch's vectorized, threaded ops, and so do
 CUDA, other dtypes and GAPLESS_KERNELS=fallback.
 """
 
@@ -20,7 +20,12 @@ import torch.nn.functional as F
 from gapless.kernels import blocks
 from gapless.kernels.probe import step_ops_work
 
-MAX_ROWS = 16
+# The most rows a decode batch (decodes and proposed tokens) holds: our step ops and the
+# quantized linears' integer paths (blocks.gemv, torch's int8/int4 ops) take up to this many,
+# and the scheduler fills no step past it. A 17th row sends every quantized linear to its
+# dequantizing path: on SmolLM2's Q4_1 file, 30 ms a step for 16 rows, 115 ms for 17; both int
+# kernels beat dequantizing up to 16 rows here, int8's lost at 32 (docs/benchmarks.md).
+DECODE_ROWS = 16
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -32,7 +37,7 @@ def switched_on() -> bool:
 
 def _ours(x: torch.Tensor) -> ModuleType | None:
     """Our kernels, where they take x."""
-    if x.device.type == "cpu" and x.shape[0] <= MAX_ROWS and x.dtype in DTYPES and switched_on():
+    if x.device.type == "cpu" and x.shape[0] <= DECODE_ROWS and x.dtype in DTYPES and switched_on():
         return blocks.extension()
     return None
 

@@ -1,0 +1,58 @@
+"""What this machine is: its CPU's name and instruction sets, torch's CPU dispatch, and its
+GPU, read once per process (the probe, probe.py, tries what it can run fast)."""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# /proc/cpuinfo flag -> the name the startup line and the roofline report use.
+ISA_FLAGS = {
+    "avx2": "avx2",
+    "avx512f": "avx512",
+    "avx512_vnni": "avx512-vnni",
+    "avx512_bf16": "avx512-bf16",
+    "amx_bf16": "amx",
+}
+
+
+@dataclass(frozen=True)
+class Machine:
+    cpu_name: str
+    cpu_isa: tuple[str, ...]  # of ISA_FLAGS' values, in that order
+    torch_cpu_capability: str  # what torch's own CPU kernels were dispatched to
+    cuda: str | None  # name and compute capability of device 0
+
+    @property
+    def fast_cpu_bf16(self) -> bool:
+        return "amx" in self.cpu_isa or "avx512-bf16" in self.cpu_isa
+
+
+@functools.cache
+def machine() -> Machine:
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    name = next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if "model name" in line),
+        platform.processor() or platform.machine(),
+    )
+    flags = next(
+        (
+            line.split(":", 1)[1].split()
+            for line in cpuinfo.splitlines()
+            if line.startswith("flags")
+        ),
+        [],
+    )
+    isa = tuple(label for flag, label in ISA_FLAGS.items() if flag in flags)
+    cuda = None
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        cuda = f"{torch.cuda.get_device_name(0)} sm_{major}{minor}"
+    return Machine(name, isa, torch.backends.cpu.get_cpu_capability(), cuda)
