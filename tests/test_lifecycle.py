@@ -11,6 +11,7 @@ import gc
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from test_model import prompt
 from test_server_cli import ServerProcess
 
 from gapless import LLM, SamplingParams
+from gapless.engine import distributed
 from gapless.model.loader import WeightError
 from gapless.model.parallel import ShardError
 
@@ -56,6 +58,12 @@ def _zombie(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def listening_ports() -> set[int]:
@@ -166,6 +174,21 @@ def test_two_llms_alive_at_once_keep_their_own_ranks(checkpoint, closed_first):
     llms[open_].close()
     assert wait_gone(ranks[open_]) == set()
     assert ranks_of(me) == set()
+
+
+def test_a_second_group_on_a_live_groups_port_is_refused_naming_it():
+    """With a fixed port (or under torchrun) two groups would share one rendezvous store."""
+    me = os.getpid()
+    launch = distributed.Launch(master_port=free_port(), threads=1)
+    first = distributed.start(2, launch, "the first LLM")
+    ranks = ranks_of(me)
+    try:
+        with pytest.raises(ValueError, match=r"rendezvous of the first LLM.*close it first"):
+            distributed.start(2, launch, "the second LLM")
+        assert ranks_of(me) == ranks  # refused before spawning
+    finally:
+        first.stop()
+    assert wait_gone(ranks) == set()
 
 
 MAKE_LLM = """

@@ -1,10 +1,10 @@
 """Tensor-parallel ranks as processes: forming the group, the workers' loop, shutting down.
 
 Rank 0 runs the scheduler, the sampler and the HTTP server; every other rank is a worker that
-runs forwards on its shard of the model. Rank 0 broadcasts each step's inputs on a control
-group (gloo, no timeout to speak of, since workers wait on it while the server idles); the
-forward's own collectives run on a second, under the collective timeout. Both are the
-group's own (see Group), so one process may be rank 0 of several groups.
+runs forwards on its shard of the model. Rank 0 broadcasts each step's inputs on the group's
+control collectives (gloo, no timeout to speak of, since workers wait on them while the server
+idles); the forward's own run on its step collectives, under the collective timeout. Both are
+the group's own (see Group), so one process may be rank 0 of several groups.
 
 A process either runs under torchrun (RANK, WORLD_SIZE, ... in its environment) and is one
 rank, or is its host's first rank and spawns the host's others.
@@ -276,7 +276,8 @@ def _spawned(
 ) -> None:
     logging.basicConfig(level="INFO", format=f"%(levelname)s:     rank {rank}: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    group = _join(rank, local_rank, per_node, size, addr, port, False, Launch(**launch), "")
+    owner = f"worker rank {rank}"
+    group = _join(rank, local_rank, per_node, size, addr, port, False, Launch(**launch), owner)
     exit_rank(serve_worker(group))
 
 
