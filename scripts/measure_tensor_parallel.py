@@ -29,7 +29,7 @@ BLOCKS = 8 * BLOCKS_PER_SEQ
 
 
 def sharded_runner(path: str, dtype: str) -> ModelRunner:
-    parallel = distributed.start(2, distributed.Launch(threads=1))
+    parallel = distributed.start(2, distributed.Launch(threads=1)).parallel
     parallel.broadcast(distributed.LoadModel(path, dtype))
     decoder = load_decoder(path, dtype, parallel.device, parallel)
     parallel.broadcast(distributed.AllocateKV(BLOCKS, 16))
@@ -92,7 +92,7 @@ def main() -> None:
                 ),
                 flush=True,
             )
-    distributed.stop()
+    distributed.stop_all()
 
 
 if __name__ == "__main__":

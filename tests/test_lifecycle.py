@@ -1,5 +1,6 @@
 """The lifecycle of tensor-parallel ranks: a build that fails leaves nothing behind and the
-next one works; an `LLM`'s ranks end when it is closed, collected, or its process exits.
+next one works; an `LLM`'s ranks end when it is closed, collected, or its process exits, and
+one `LLM`'s end never touches another's ranks.
 
 Ranks are found as they are: processes whose command line runs gapless' spawned rank.
 """
@@ -10,6 +11,7 @@ import gc
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from test_model import prompt
 from test_server_cli import ServerProcess
 
 from gapless import LLM, SamplingParams
+from gapless.engine import distributed
 from gapless.model.loader import WeightError
 from gapless.model.parallel import ShardError
 
@@ -55,6 +58,12 @@ def _zombie(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def listening_ports() -> set[int]:
@@ -119,6 +128,66 @@ def test_ranks_end_with_the_block_and_with_garbage_collection(checkpoint):
     assert len(ranks) == 1
     del llm
     gc.collect()
+    assert wait_gone(ranks) == set()
+
+
+def test_rebinding_the_name_serves_the_second_model(checkpoint):
+    """`llm = LLM(b)` over a live `llm = LLM(a)`: a is collected only after b is built, and
+    its end must leave b's ranks and group alone."""
+    me, ids = os.getpid(), prompt(12)
+    first, second = checkpoint("llama"), checkpoint("qwen2")
+    expected = [
+        LLM(p, dtype="float32").generate([ids], GREEDY)[0].token_ids for p in (first, second)
+    ]
+    assert expected[0] != expected[1]  # else a rank still serving the first would pass
+    llm = LLM(first, **TP2)
+    first_ranks = ranks_of(me)
+    assert llm.generate([ids], GREEDY)[0].token_ids == expected[0]
+    llm = LLM(second, **TP2)
+    gc.collect()
+    assert wait_gone(first_ranks) == set()
+    assert llm.generate([ids], GREEDY)[0].token_ids == expected[1]
+    second_ranks = ranks_of(me)
+    assert len(second_ranks) == 1
+    llm.close()
+    assert wait_gone(second_ranks) == set()
+
+
+@pytest.mark.parametrize("closed_first", [0, 1], ids=["older-closed-first", "newer-closed-first"])
+def test_two_llms_alive_at_once_keep_their_own_ranks(checkpoint, closed_first):
+    me, ids = os.getpid(), prompt(12)
+    paths = (checkpoint("llama"), checkpoint("qwen2"))
+    expected = [LLM(p, dtype="float32").generate([ids], GREEDY)[0].token_ids for p in paths]
+    llms, ranks = [], []
+    for path in paths:
+        llms.append(LLM(path, **TP2))
+        ranks.append(ranks_of(me) - set().union(*ranks))
+    assert [len(r) for r in ranks] == [1, 1]
+    for i in (0, 1, 0):  # interleaved
+        assert llms[i].generate([ids], GREEDY)[0].token_ids == expected[i]
+
+    open_ = 1 - closed_first
+    llms[closed_first].close()
+    assert wait_gone(ranks[closed_first]) == set()
+    assert wait_gone(ranks[open_], timeout=0) == ranks[open_]
+    assert llms[open_].generate([ids], GREEDY)[0].token_ids == expected[open_]
+    llms[open_].close()
+    assert wait_gone(ranks[open_]) == set()
+    assert ranks_of(me) == set()
+
+
+def test_a_second_group_on_a_live_groups_port_is_refused_naming_it():
+    """With a fixed port (or under torchrun) two groups would share one rendezvous store."""
+    me = os.getpid()
+    launch = distributed.Launch(master_port=free_port(), threads=1)
+    first = distributed.start(2, launch, "the first LLM")
+    ranks = ranks_of(me)
+    try:
+        with pytest.raises(ValueError, match=r"rendezvous of the first LLM.*close it first"):
+            distributed.start(2, launch, "the second LLM")
+        assert ranks_of(me) == ranks  # refused before spawning
+    finally:
+        first.stop()
     assert wait_gone(ranks) == set()
 
 

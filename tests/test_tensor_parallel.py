@@ -48,8 +48,9 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tp2() -> Iterator[TensorParallel]:
     threads = torch.get_num_threads()
-    yield distributed.start(2, distributed.Launch(threads=1, collective_timeout_s=60))
-    distributed.stop()
+    group = distributed.start(2, distributed.Launch(threads=1, collective_timeout_s=60))
+    yield group.parallel
+    group.stop()
     torch.set_num_threads(threads)
 
 

@@ -1,9 +1,10 @@
 """Tensor-parallel ranks as processes: forming the group, the workers' loop, shutting down.
 
 Rank 0 runs the scheduler, the sampler and the HTTP server; every other rank is a worker that
-runs forwards on its shard of the model. Rank 0 broadcasts each step's inputs on a control
-group (gloo, no timeout to speak of, since workers wait on it while the server idles); the
-forward's own collectives run on the default group, under the collective timeout.
+runs forwards on its shard of the model. Rank 0 broadcasts each step's inputs on the group's
+control collectives (gloo, no timeout to speak of, since workers wait on them while the server
+idles); the forward's own run on its step collectives, under the collective timeout. Both are
+the group's own (see Group), so one process may be rank 0 of several groups.
 
 A process either runs under torchrun (RANK, WORLD_SIZE, ... in its environment) and is one
 rank, or is its host's first rank and spawns the host's others.
@@ -23,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,9 @@ from gapless.model.checkpoint import load_model
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import TensorParallel
 from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE
+
+if TYPE_CHECKING:
+    from gapless.model.parallel import Collectives
 
 log = logging.getLogger("gapless.distributed")
 
@@ -92,34 +96,78 @@ class AllocateKV:
     window_blocks: tuple[int, ...] = ()  # ModelRunner's
 
 
-@dataclass
-class _Group:
+@dataclass(eq=False)
+class Group:
+    """A tensor-parallel group as this process sees it: its rank, the rendezvous store and
+    the ranks it spawned on this host. Whoever started it owns it, and stop() or abort() end
+    this group only: a process may be in several at once (two `LLM`s), each with its own
+    store, collectives and worker processes, none of them torch.distributed's default group
+    (of which a process has one)."""
+
     parallel: TensorParallel
     store: dist.Store
-    children: list[subprocess.Popen]
+    rendezvous: tuple[str, int]
+    owner: str  # who started it, as a refusal of another group on its rendezvous names it
+    children: list[subprocess.Popen] = dataclasses.field(default_factory=list)
     failed: bool = False
 
+    def diagnose(self, exc: BaseException) -> str:
+        """Rank 0's account of a failed step: which workers stopped beating. A worker that
+        died or hangs stops; one that only waits in a collective for another does not."""
+        self.failed = True
+        ranks = range(1, self.parallel.size)
+        before = [self.store.add(f"heartbeat/{r}", 0) for r in ranks]
+        time.sleep(4 * HEARTBEAT_S)
+        after = [self.store.add(f"heartbeat/{r}", 0) for r in ranks]
+        silent = [str(r) for r, b, a in zip(ranks, before, after, strict=True) if a == b]
+        who = f"rank {', '.join(silent)} stopped responding" if silent else "a rank failed"
+        return f"tensor parallel: {who} ({type(exc).__name__}: {exc})"
 
-_group: _Group | None = None
+    def abort(self) -> None:
+        """Ends the group after a failure (a build that failed part way, a failed step):
+        nothing more is sent, since a hung or dead worker could block it, and this host's
+        workers are killed."""
+        self.failed = True
+        self.stop()
+
+    def stop(self) -> None:
+        """Tells the workers to exit and waits for this host's, then shuts the group's
+        collectives down; idempotent. After a failure, see abort()."""
+        if self not in _live:
+            return
+        _live.remove(self)
+        parallel = self.parallel
+        if parallel.rank == 0 and not self.failed:
+            try:
+                parallel.broadcast(None)
+            except RuntimeError as e:
+                log.warning("could not tell every rank to stop: %s", e)
+                self.failed = True
+        _end_children(self.children, wait_s=0 if self.failed else 10)
+        parallel.steps.shutdown()
+        parallel.control.shutdown()
+        # Also ends the cycle parallel -> diagnose -> self, so that the collectives' and the
+        # store's ports close with the last reference to them, with no garbage collection.
+        parallel.diagnose = _stopped
 
 
-def current() -> TensorParallel | None:
-    """This process's rank, if it is in a group."""
-    return None if _group is None else _group.parallel
+def _stopped(exc: BaseException) -> str:
+    return f"tensor parallel: the group was stopped ({type(exc).__name__}: {exc})"
 
 
-def start(size: int, launch: Launch) -> TensorParallel:
-    """This process's rank in a group of `size` (formed on the first call; later calls return
-    it). Off torchrun, spawns the other ranks of this host first. If the group cannot form,
-    the ranks spawned for it are stopped before the error is raised."""
-    global _group
-    if _group is not None:
-        if _group.parallel.size != size:
-            raise ValueError(f"this process is already in a group of {_group.parallel.size}")
-        return _group.parallel
+# This process's groups until each stops: another group on one's rendezvous is refused, and
+# exit_rank and the interpreter's exit stop whichever are left.
+_live: list[Group] = []
+
+
+def start(size: int, launch: Launch, owner: str = "a group started directly") -> Group:
+    """A new group of `size` ranks, with this process as one of them. Off torchrun, spawns
+    the other ranks of this host first. If the group cannot form, the ranks spawned for it
+    are stopped before the error is raised. Refused while another group of this process
+    holds the same rendezvous address (under torchrun, or with a fixed port)."""
     env = os.environ
-    children: list[subprocess.Popen] = []
-    if "RANK" in env and "WORLD_SIZE" in env:  # started by torchrun
+    torchrun = "RANK" in env and "WORLD_SIZE" in env
+    if torchrun:
         rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", 0))
         per_node = int(env.get("LOCAL_WORLD_SIZE", 1))
         if int(env["WORLD_SIZE"]) != size:
@@ -137,20 +185,25 @@ def start(size: int, launch: Launch) -> TensorParallel:
         addr = launch.master_addr
         port = launch.master_port or (_free_port(addr) if launch.nnodes == 1 else DEFAULT_PORT)
         store_host = rank == 0
+    for other in _live:
+        if other.rendezvous == (addr, port):
+            raise ValueError(
+                f"tensor parallel: {addr}:{port} is already the rendezvous of {other.owner}, "
+                "in this process; close it first (LLM.close(), Engine.close())"
+            )
+    children = []
+    if not torchrun:
         for local in range(1, per_node):
             children.append(_spawn(rank + local, local, per_node, size, addr, port, launch))
     try:
-        parallel, store = _join(rank, local_rank, per_node, size, addr, port, store_host, launch)
+        group = _join(rank, local_rank, per_node, size, addr, port, store_host, launch, owner)
     except BaseException:
         _end_children(children, wait_s=0)
-        if dist.is_initialized():
-            dist.destroy_process_group()
         raise
-    _group = _Group(parallel, store, children)
+    group.children = children
     if rank == 0:
-        parallel.diagnose = _diagnose
-    atexit.register(stop)
-    return parallel
+        group.parallel.diagnose = group.diagnose
+    return group
 
 
 def _free_port(addr: str) -> int:
@@ -168,24 +221,36 @@ def _join(
     port: int,
     store_host: bool,
     launch: Launch,
-) -> tuple[TensorParallel, dist.Store]:
+    owner: str,
+) -> Group:
     cores = len(os.sched_getaffinity(0))
     torch.set_num_threads(launch.threads or max(1, cores // per_node))
     device = rank_device(launch.device, local_rank)
     store = dist.TCPStore(addr, port, size, store_host, timeout=STARTUP_TIMEOUT)
-    dist.init_process_group(
-        collective_backend(device),
-        store=store,
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=launch.collective_timeout_s),
-    )
+    collective_timeout = timedelta(seconds=launch.collective_timeout_s)
+    steps = _collectives(collective_backend(device), store, "steps", rank, size, collective_timeout)
     # Workers wait on it for as long as the server idles; rank 0's sends to a hung worker
     # must time out like any collective. (gloo takes each process's timeout as its own.)
-    control_timeout = timedelta(seconds=launch.collective_timeout_s) if rank == 0 else IDLE_TIMEOUT
-    control = dist.new_group(backend="gloo", timeout=control_timeout)
+    control_timeout = collective_timeout if rank == 0 else IDLE_TIMEOUT
+    control = _collectives("gloo", store, "control", rank, size, control_timeout)
     log.info("rank %d of %d on %s joined %s:%d", rank, size, device, addr, port)
-    return TensorParallel(rank, size, dist.group.WORLD, control, device), store
+    parallel = TensorParallel(rank, size, steps, control, device)
+    group = Group(parallel, store, (addr, port), owner)
+    _live.append(group)
+    return group
+
+
+def _collectives(
+    backend: str, store: dist.Store, name: str, rank: int, size: int, timeout: timedelta
+) -> Collectives:
+    """A group's collectives of one kind, made directly rather than with init_process_group
+    and new_group, which would make them the process's one default group and its subgroup."""
+    store = dist.PrefixStore(name, store)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 def _spawn(
@@ -211,29 +276,27 @@ def _spawned(
 ) -> None:
     logging.basicConfig(level="INFO", format=f"%(levelname)s:     rank {rank}: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    global _group
-    parallel, store = _join(rank, local_rank, per_node, size, addr, port, False, Launch(**launch))
-    _group = _Group(parallel, store, [])
-    exit_rank(serve_worker(parallel))
+    owner = f"worker rank {rank}"
+    group = _join(rank, local_rank, per_node, size, addr, port, False, Launch(**launch), owner)
+    exit_rank(serve_worker(group))
 
 
 def exit_rank(status: int) -> NoReturn:
-    """Shuts the group down, then ends this rank's process without the interpreter's
+    """Shuts this process's groups down, then ends this rank's process without the interpreter's
     teardown: there, c10d's threads were sometimes destroyed while still joinable, and a rank
     died with "terminate called without an active exception" (SIGABRT, in 5 of 20 runs of the
     two-host test) after serving and stopping cleanly."""
-    stop()
+    stop_all()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
 
 
-def serve_worker(parallel: TensorParallel) -> int:
+def serve_worker(group: Group) -> int:
     """A worker rank: runs what rank 0 broadcasts until it says stop. The exit status."""
-    assert _group is not None
-    store = _group.store
-    threading.Thread(target=_beat, args=(store, parallel.rank), daemon=True).start()
+    parallel = group.parallel
+    threading.Thread(target=_beat, args=(group.store, parallel.rank), daemon=True).start()
     decoder: Decoder | None = None
     runner: ModelRunner | None = None
     try:
@@ -257,7 +320,7 @@ def serve_worker(parallel: TensorParallel) -> int:
                 runner.run(message)
     except Exception:
         log.exception("rank %d failed; exiting", parallel.rank)
-        _group.failed = True
+        group.failed = True
         return 1
     return 0
 
@@ -277,45 +340,13 @@ def _beat(store: dist.Store, rank: int) -> None:
         time.sleep(HEARTBEAT_S)
 
 
-def _diagnose(exc: BaseException) -> str:
-    """Rank 0's account of a failed step: which workers stopped beating. A worker that died
-    or hangs stops; one that only waits in a collective for another does not."""
-    assert _group is not None
-    _group.failed = True
-    ranks = range(1, _group.parallel.size)
-    before = [_group.store.add(f"heartbeat/{r}", 0) for r in ranks]
-    time.sleep(4 * HEARTBEAT_S)
-    after = [_group.store.add(f"heartbeat/{r}", 0) for r in ranks]
-    silent = [str(r) for r, b, a in zip(ranks, before, after, strict=True) if a == b]
-    who = f"rank {', '.join(silent)} stopped responding" if silent else "a rank failed"
-    return f"tensor parallel: {who} ({type(exc).__name__}: {exc})"
+def stop_all() -> None:
+    """Stops every group of this process, the newest first."""
+    for group in reversed(list(_live)):
+        group.stop()
 
 
-def abort() -> None:
-    """Ends the group after a failure (a build that failed part way, a failed step): nothing
-    more is sent, since a hung or dead worker could block it, and this host's workers are
-    killed. Afterwards a new group can form in this process."""
-    if _group is not None:
-        _group.failed = True
-    stop()
-
-
-def stop() -> None:
-    """Tells the workers to exit and waits for this host's, then leaves the process group and
-    closes its store (freeing the port); idempotent. After a failure, see abort()."""
-    global _group
-    group, _group = _group, None
-    if group is None:
-        return
-    if group.parallel.rank == 0 and not group.failed:
-        try:
-            group.parallel.broadcast(None)
-        except RuntimeError as e:
-            log.warning("could not tell every rank to stop: %s", e)
-            group.failed = True
-    _end_children(group.children, wait_s=0 if group.failed else 10)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+atexit.register(stop_all)
 
 
 def _end_children(children: list[subprocess.Popen], wait_s: float) -> None:

@@ -294,13 +294,14 @@ class Engine:
         cls,
         path: str | Path,
         config: EngineConfig | None = None,
-        launch: distributed.Launch | None = None,
+        group: distributed.Group | None = None,
     ) -> Engine:
-        """The engine of a checkpoint. With tensor_parallel_size > 1 this process is rank 0:
-        it forms the group (spawning this host's other ranks; `launch` says where they sit)
-        and every rank loads its shard. A group this call forms is this engine's: close()
-        ends it. A build that fails ends the group before the error is raised, so a later
-        build in this process starts afresh."""
+        """The engine of a checkpoint. With tensor_parallel_size > 1 this process is rank 0
+        of `group` (gapless serve forms it first), or of a group this call forms on this host
+        (spawning its other ranks), and every rank loads its shard. A group this call forms
+        is this engine's alone: close() ends it, and no other engine's. A build that fails
+        ends the group before the error is raised, so a later build in this process starts
+        afresh."""
         config = config or EngineConfig()
         quantize = (config.quantize, config.quantize_group_size)
         if config.tensor_parallel_size == 1:
@@ -326,9 +327,11 @@ class Engine:
         if is_vision_language(path):
             raise ValueError("tensor parallelism is not supported for vision-language models")
         check_shardable(read_model_config(path), config.tensor_parallel_size)  # spawns nothing
-        launch = launch or distributed.Launch(threads=config.num_threads, device=config.device)
-        owns_group = distributed.current() is None
-        parallel = distributed.start(config.tensor_parallel_size, launch)
+        owns_group = group is None
+        if group is None:
+            launch = distributed.Launch(threads=config.num_threads, device=config.device)
+            group = distributed.start(config.tensor_parallel_size, launch, f"the engine of {path}")
+        parallel = group.parallel
         try:
             parallel.broadcast(distributed.LoadModel(str(path), config.dtype, *quantize))
             model = load_model(path, config.dtype, parallel.device, parallel, *quantize)
@@ -338,10 +341,10 @@ class Engine:
                 distributed.AllocateKV(runner.num_blocks, runner.block_size, runner.window_blocks)
             )
         except BaseException:
-            distributed.abort()
+            group.abort()
             raise
         if owns_group:
-            engine._close = weakref.finalize(engine, distributed.stop)
+            engine._close = weakref.finalize(engine, group.stop)
         return engine
 
     def close(self) -> None:

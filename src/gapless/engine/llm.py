@@ -28,8 +28,9 @@ class LLM:
     """`LLM(path, **options).generate(prompts, params)` or `.embed(prompts)`; options as
     EngineConfig.of takes them (engine/options.py lists where they are declared).
 
-    Under tensor parallelism its worker ranks are processes: `close()` ends them, as does
-    leaving a `with LLM(...) as llm:` block, garbage collection, or this process's exit."""
+    Under tensor parallelism its worker ranks are processes, its own: `close()` ends them, as
+    does leaving a `with LLM(...) as llm:` block, garbage collection, or this process's exit,
+    and never another LLM's (two may be alive at once, and `llm = LLM(...)` may rebind)."""
 
     def __init__(self, model: str | Path, **options: Any) -> None:
         self.engine = Engine.from_pretrained(model, EngineConfig.of(**options))

@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    # What ProcessGroupGloo and ProcessGroupNCCL are: one backend's collectives for one group.
+    from torch._C._distributed_c10d import Backend as Collectives
 
 from gapless.kernels.quant import BlockQuant, GroupQuant
 from gapless.model.config import ModelConfig
@@ -47,28 +53,42 @@ def _just_the_error(exc: BaseException) -> str:
 class TensorParallel:
     rank: int
     size: int
-    steps: dist.ProcessGroup  # the forward's collectives, with the collective timeout
-    control: dist.ProcessGroup  # step broadcasts; workers wait on it while the server idles
+    # Called directly, not through torch.distributed's functions, which take only groups
+    # registered with its one default group (engine/distributed.py makes these without one).
+    steps: Collectives  # the forward's, with the collective timeout
+    control: Collectives  # step broadcasts (gloo); workers wait on it while the server idles
     device: str  # this rank's
     # Explains a failed step, naming the rank(s) at fault where the launcher can tell.
     diagnose: Callable[[BaseException], str] = _just_the_error
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x, group=self.steps)
+        self.steps.allreduce([x]).wait()  # a sum
         return x
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Rank 0 gets every rank's vocabulary slice side by side, [R, padded vocab]; the
         other ranks get their own slice back."""
-        parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(logits, parts, dst=0, group=self.steps)
-        return torch.cat(parts, dim=-1) if parts is not None else logits
+        to_rank_0 = dist.GatherOptions()
+        to_rank_0.rootRank = 0
+        if self.rank:
+            self.steps.gather([], [logits], to_rank_0).wait()
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.size)]
+        self.steps.gather([parts], [logits], to_rank_0).wait()
+        return torch.cat(parts, dim=-1)
 
     def broadcast(self, message: object = None) -> object:
-        """Rank 0's message, on every rank."""
-        box = [message]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        """Rank 0's message, on every rank: its pickle's length, then the pickle."""
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+            length = torch.tensor([data.numel()])
+        else:
+            length = torch.zeros(1, dtype=torch.int64)
+        self.control.broadcast([length]).wait()
+        if self.rank:
+            data = torch.empty(int(length), dtype=torch.uint8)
+        self.control.broadcast([data]).wait()
+        return message if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:

@@ -97,15 +97,16 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         name = args.served_model_name or model_name(model_dir)
 
+    group = None  # rank 0's, under tensor parallelism
     try:
         config = engine_config(args)
         launch = Launch(**_chosen(args, Launch), threads=config.num_threads, device=config.device)
         if config.tensor_parallel_size > 1:
             # Before any rank starts: the common misfit spawns nothing.
             check_shardable(read_model_config(model_dir), config.tensor_parallel_size)
-            parallel = distributed.start(config.tensor_parallel_size, launch)
-            if parallel.rank != 0:  # a worker: rank 0 schedules and serves
-                return distributed.serve_worker(parallel)
+            group = distributed.start(config.tensor_parallel_size, launch, "gapless serve")
+            if group.parallel.rank != 0:  # a worker: rank 0 schedules and serves
+                return distributed.serve_worker(group)
     except ShardError as e:
         log.error("cannot split %s over %d ranks: %s", model_dir, args.tensor_parallel_size, e)
         return 2
@@ -114,7 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     thread = engine_thread()  # loads the engine, then steps it
     try:
-        engine = thread.submit(Engine.from_pretrained, model_dir, config, launch).result()
+        engine = thread.submit(Engine.from_pretrained, model_dir, config, group).result()
     except (OSError, ValueError) as e:
         log.error("cannot load %s: %s", model_dir, e)
         return 2
