@@ -16,6 +16,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
@@ -331,22 +332,54 @@ def test_text_only_model_refuses_images_before_its_template(checkpoint) -> None:
 
 
 class _Images(http.server.BaseHTTPRequestHandler):
-    """/disk.png: an image; /slow.png: the image after a pause; anything else: 404."""
+    """An image host, well-behaved or not. /disk.png: an image; /slow.png: the image after a
+    pause; /trickle.png: the image a byte at a time, each well within any timeout per read;
+    /silent.png: no answer at all; /loop.png: a redirect to itself; /slow_hops.png: the same
+    after a pause, each hop within the fetch's timeout; /endless.png: bytes without end, with
+    no Content-Length; anything else: 404."""
 
     pause_s = 2.0
+    trickle_gap_s = 0.5
+    hop_s = 0.3
+    silent_reached = threading.Event()
 
     def do_GET(self) -> None:  # noqa: N802 (the http.server API's name)
-        if self.path not in ("/disk.png", "/slow.png"):
-            self.send_error(404)
-            return
-        if self.path == "/slow.png":
-            time.sleep(self.pause_s)
+        with contextlib.suppress(ConnectionError):  # the server under test gave up waiting
+            match self.path:
+                case "/disk.png" | "/slow.png":
+                    if self.path == "/slow.png":
+                        time.sleep(self.pause_s)
+                    self._image_headers()
+                    self.wfile.write(RED_DISK)
+                case "/trickle.png":
+                    self._image_headers()
+                    for byte in RED_DISK:
+                        self.wfile.write(bytes([byte]))
+                        time.sleep(self.trickle_gap_s)
+                case "/silent.png":
+                    self.silent_reached.set()
+                    self.rfile.read(1)  # until the fetch hangs up
+                case "/loop.png" | "/slow_hops.png":
+                    if self.path == "/slow_hops.png":
+                        time.sleep(self.hop_s)
+                    self.send_response(302)
+                    self.send_header("Location", self.path)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                case "/endless.png":
+                    self.send_response(200)  # HTTP/1.0: the body ends when the host closes
+                    self.send_header("Content-Type", "image/png")
+                    self.end_headers()
+                    while True:
+                        self.wfile.write(bytes(64 * 1024))
+                case _:
+                    self.send_error(404)
+
+    def _image_headers(self) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "image/png")
         self.send_header("Content-Length", str(len(RED_DISK)))
         self.end_headers()
-        with contextlib.suppress(ConnectionError):  # the server under test gave up waiting
-            self.wfile.write(RED_DISK)
 
     def log_message(self, *args) -> None:
         pass
@@ -359,6 +392,7 @@ def image_host() -> Iterator[str]:
     thread.start()
     yield f"http://127.0.0.1:{host.server_port}"
     host.shutdown()
+    host.server_close()
     thread.join()
 
 
@@ -410,6 +444,67 @@ def test_an_image_url_over_the_size_limit_is_refused(vlm_dir: Path, image_host: 
         r = client.post(path, json=body)
         assert r.status_code == 400, r.text
         assert "(--image-url-max-mb)" in r.json()["error"]["message"]
+
+
+FETCH_TIMEOUT_S = 1.0
+FETCH_MAX_MB = 0.25
+
+
+@pytest.fixture(scope="module")
+def fetching_server(vlm_dir: Path) -> Iterator[RunningServer]:
+    settings = ServerSettings(
+        MODEL,
+        allow_image_urls=True,
+        image_url_timeout_s=FETCH_TIMEOUT_S,
+        image_url_max_mb=FETCH_MAX_MB,
+    )
+    with running_server(vlm_dir, settings, **ENGINE_FIELDS) as running:
+        yield running
+
+
+TOOK_TOO_LONG = "took longer than 1 s (--image-url-timeout)"
+HOSTILE_HOSTS = {
+    "trickle.png": TOOK_TOO_LONG,
+    "silent.png": TOOK_TOO_LONG,
+    "slow_hops.png": TOOK_TOO_LONG,
+    "loop.png": "failed: more than 5 redirects",
+    "endless.png": f"is larger than the limit of {int(FETCH_MAX_MB * 2**20)} bytes",
+}
+
+
+@pytest.mark.parametrize(("name", "says"), HOSTILE_HOSTS.items())
+def test_a_hostile_image_host_holds_a_request_no_longer_than_the_fetch_timeout(
+    fetching_server: RunningServer, image_host: str, name: str, says: str
+) -> None:
+    """Whatever the host does (a trickle, no answer, redirects without end, a body without
+    end), its fetch ends by the deadline: a 400 naming the field, within the timeout and a
+    second."""
+    path, body = bad_request("openai", f"{image_host}/{name}")
+    start = time.monotonic()
+    with fetching_server.client() as client:
+        r = client.post(path, json=body)
+    elapsed = time.monotonic() - start
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "messages[0].content[0].image_url.url"
+    assert elapsed < FETCH_TIMEOUT_S + 1
+
+
+def test_the_server_answers_others_while_a_fetch_waits(
+    fetching_server: RunningServer, image_host: str
+) -> None:
+    """A fetch waits off the server's event loop: another request is answered meanwhile."""
+    _Images.silent_reached.clear()
+    path, body = bad_request("openai", f"{image_host}/silent.png")
+    with (
+        ThreadPoolExecutor(1) as pool,
+        fetching_server.client() as fetcher,
+        fetching_server.client() as other,
+    ):
+        fetch = pool.submit(fetcher.post, path, json=body)
+        assert _Images.silent_reached.wait(FETCH_TIMEOUT_S)
+        assert other.get("/health").status_code == 200
+        assert not fetch.done()
+        assert fetch.result().status_code == 400
 
 
 # -- Gemma 3's image markup --------------------------------------------------------------------

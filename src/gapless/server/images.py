@@ -12,20 +12,20 @@ their image placeholder from; a message without stays a string.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import re
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote_to_bytes, urlsplit
 
+import httpx
+
 from gapless.engine.admission import Admission, CheckedImages, RequestError
 from gapless.server.protocol import invalid
 
-FETCH_PIECE = 64 * 1024
+MAX_REDIRECTS = 5
 
 
 @dataclass(frozen=True)
@@ -59,33 +59,55 @@ class ImageReader:
         return self._fetch(url, param)
 
     def _fetch(self, url: str, param: str) -> bytes:
-        deadline = time.monotonic() + self.timeout_s
+        # A timeout on each socket read does not bound a fetch: each byte of a trickle comes
+        # within it. Async I/O can be cut off mid-read, so the fetch runs as a coroutine under
+        # one deadline, on an event loop of its own in the calling thread (a request's parse
+        # runs off the server's loop, in a worker thread). Not asyncio.run: its exit waits for
+        # the executor, where a name lookup may still be running past the deadline.
+        loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(self._fetch_by_deadline(url, param))
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    async def _fetch_by_deadline(self, url: str, param: str) -> bytes:
         limit = f"the limit of {self.max_bytes} bytes (--image-url-max-mb)"
         try:
-            with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
+            async with (
+                asyncio.timeout(self.timeout_s),
+                # No timeouts of httpx's own: the deadline above is the one, for every hop.
+                httpx.AsyncClient(
+                    follow_redirects=True, max_redirects=MAX_REDIRECTS, timeout=None
+                ) as client,
+                client.stream("GET", url) as response,
+            ):
+                if not response.is_success:
+                    raise invalid(
+                        f"fetching the image at {url} failed: HTTP {response.status_code}", param
+                    )
                 declared = response.headers.get("Content-Length")
                 if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
                     raise invalid(
                         f"the image at {url} has {declared} bytes, more than {limit}", param
                     )
                 data = bytearray()
-                while piece := response.read(FETCH_PIECE):
+                async for piece in response.aiter_bytes():
                     data += piece
                     if len(data) > self.max_bytes:
                         raise invalid(f"the image at {url} is larger than {limit}", param)
-                    if time.monotonic() > deadline:
-                        raise _timed_out(url, self.timeout_s, param)
                 return bytes(data)
-        except urllib.error.HTTPError as e:
-            raise invalid(f"fetching the image at {url} failed: HTTP {e.code}", param) from e
         except TimeoutError as e:
             raise _timed_out(url, self.timeout_s, param) from e
-        except urllib.error.URLError as e:
-            if isinstance(e.reason, TimeoutError):  # the connection's, wrapped
-                raise _timed_out(url, self.timeout_s, param) from e
-            raise invalid(f"fetching the image at {url} failed: {e.reason}", param) from e
-        except (OSError, ValueError) as e:
-            raise invalid(f"fetching the image at {url} failed: {e}", param) from e
+        except httpx.TooManyRedirects as e:
+            raise invalid(
+                f"fetching the image at {url} failed: more than {MAX_REDIRECTS} redirects", param
+            ) from e
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
+            # Some of httpx's errors carry no message: their class names the failure.
+            raise invalid(
+                f"fetching the image at {url} failed: {str(e) or type(e).__name__}", param
+            ) from e
 
 
 def _timed_out(url: str, timeout_s: float, param: str) -> Exception:
