@@ -429,6 +429,7 @@ def test_image_urls_are_fetched_within_their_limits_when_allowed(
                 (f"{image_host}/slow.png", "took longer than 0.5 s (--image-url-timeout)"),
                 (f"{image_host}/missing.png", "HTTP 404"),
                 ("ftp://example.com/a.png", "unsupported image URL scheme 'ftp'"),
+                ("http://[::1/a.png", "is not a valid URL"),
             ):
                 path, body = bad_request("openai", url)
                 r = client.post(path, json=body)

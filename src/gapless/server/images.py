@@ -41,7 +41,10 @@ class ImageReader:
         """The bytes of the image at a `data:` or http(s) URL."""
         if not isinstance(url, str):
             raise invalid("an image URL must be a string", param)
-        scheme = urlsplit(url).scheme.lower()
+        try:
+            scheme = urlsplit(url).scheme.lower()
+        except ValueError as e:  # e.g. an unclosed IPv6 bracket
+            raise invalid(f"{url!r} is not a valid URL: {e}", param) from e
         if scheme == "data":
             return _data_url(url, param)
         if scheme not in ("http", "https"):
