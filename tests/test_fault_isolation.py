@@ -7,7 +7,7 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +22,6 @@ from gapless.server.app import ServerSettings
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def llama_dir(checkpoint: Callable[..., Path]) -> Path:
-    return checkpoint("llama")
 
 
 @pytest.fixture(scope="module")

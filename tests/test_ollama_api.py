@@ -59,11 +59,6 @@ def server(checkpoint, tmp_path_factory) -> Iterator[RunningServer]:
         yield running
 
 
-@pytest.fixture(scope="module")
-def llama(server: RunningServer) -> ollama.Client:
-    return ollama.Client(host=server.url)
-
-
 def test_ps_lists_the_loaded_model(llama: ollama.Client, server: RunningServer) -> None:
     [model] = llama.ps().models
     assert model.name == model.model == f"{MODEL}:latest"

@@ -54,11 +54,6 @@ def server(checkpoint, tmp_path_factory) -> Iterator[RunningServer]:
         yield running
 
 
-@pytest.fixture(scope="module")
-def oai(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
 def chat_text(client: httpx.Client, messages: list[dict[str, Any]], max_tokens: int) -> str:
     """The chat endpoint's greedy answer to the same conversation."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
