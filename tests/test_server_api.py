@@ -176,13 +176,12 @@ def test_stop_string_and_max_tokens_default(client: httpx.Client, server: Runnin
     assert r["choices"][0]["finish_reason"] == "stop"
     assert r["usage"]["completion_tokens"] == 3
 
-    # Without max_tokens the whole remaining context is allowed: eos or the context ends it.
-    r = client.post(
-        "/v1/completions", json={"prompt": long_prompt_ids(server, MAX_MODEL_LEN - 3, "default")}
-    ).json()
-    assert r["usage"]["total_tokens"] <= MAX_MODEL_LEN
-    if r["choices"][0]["finish_reason"] == "length":
-        assert r["usage"]["completion_tokens"] == 3
+    # Without max_tokens the whole remaining context is allowed: with eos ignored, the
+    # context ends it.
+    ids = long_prompt_ids(server, MAX_MODEL_LEN - 3, "default")
+    r = client.post("/v1/completions", json={"prompt": ids, "ignore_eos": True}).json()
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert (r["usage"]["completion_tokens"], r["usage"]["total_tokens"]) == (3, MAX_MODEL_LEN)
 
 
 def test_chat_logprobs(client: httpx.Client) -> None:

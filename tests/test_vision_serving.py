@@ -52,8 +52,9 @@ def run(engine: Engine, ids: list[int], images: list, max_tokens: int = NEW_TOKE
     request_id = engine.add_request(ids, params, images=[png(i) for i in images])
     tokens = []
     while engine.has_work:
-        tokens += [t for e in engine.step() if isinstance(e, TokenEvent) for t in e.token_ids]
-        assert request_id  # the request's own events are the only ones here
+        events = engine.step()
+        assert {e.request_id for e in events} <= {request_id}  # the only request here
+        tokens += [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
     return tokens
 
 
