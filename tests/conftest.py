@@ -1,5 +1,5 @@
-"""Shared fixtures: the test tokenizer and tiny checkpoints, built once per session, and an
-HTTP client of whichever `server` the requesting module runs."""
+"""Shared fixtures: the test tokenizer and tiny checkpoints, built once per session, and the
+clients (HTTP and each dialect's own) of whichever `server` the requesting module runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
+import ollama
+import openai
 import pytest
 
 # Make tests/checkpoints.py importable as `checkpoints` from every test module.
@@ -67,6 +70,29 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     return get
 
 
+@pytest.fixture(scope="module")
+def llama_dir(checkpoint: Callable[..., Path]) -> Path:
+    return checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Factory: `vlm("gemma3")` -> a tiny vision-language checkpoint (test_vision.CHECKPOINTS
+    names them) with the test tokenizer; each built once."""
+    from test_vision import CHECKPOINTS
+
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            path = CHECKPOINTS[name](tmp_path_factory.mktemp(name))
+            write_test_tokenizer(path)
+            built[name] = path
+        return built[name]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The gapless-demo checkpoint, built in a temp cache so tests never touch the user's."""
@@ -86,3 +112,18 @@ def kernels_choice(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
 def client(server: RunningServer) -> Iterator[httpx.Client]:
     with server.client() as c:
         yield c
+
+
+@pytest.fixture
+def oai(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def claude(server: RunningServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def llama(server: RunningServer) -> ollama.Client:
+    return ollama.Client(host=server.url)

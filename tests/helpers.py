@@ -1,10 +1,22 @@
-"""Helpers shared by the test modules."""
+"""Plain helpers that several test modules use (their shared fixtures are in conftest.py)."""
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
+import torch
+from PIL import Image
+
+from gapless.engine.sampling_params import SamplingParams
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 # Set on a machine without a C++ compiler: the tests of our kernels then skip where the
 # kernels did not build, and the run's summary says so (conftest.py). Unset, they fail.
@@ -25,3 +37,37 @@ def require_our_kernels(works: bool, what: str) -> None:
         " skips this",
         pytrace=False,
     )
+
+
+def prompt(n: int, seed: int = 0, low: int = 10) -> list[int]:
+    """n token ids in [low, 500), the same for the same seed. The default low is past the test
+    tokenizer's special tokens (0-6: bos, eos, pad and the chat markers)."""
+    return torch.randint(low, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    """Greedy sampling of exactly max_tokens tokens: an eos token does not end it."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
+
+
+def png(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+def bomb(side: int) -> bytes:
+    """A few kB of PNG whose header declares side x side one-bit pixels. Pillow warns when an
+    image opened has more than Image.MAX_IMAGE_PIXELS (about 89 million: side 9,460 up) and
+    refuses it past twice that (side 13,378 up); admission must refuse either."""
+    return png(Image.new("1", (side, side)))
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/<name>.py as a module: scripts/ is not a package."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -4,16 +4,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from helpers import load_script
 
 from gapless import SamplingParams
 from gapless.engine.plan import ScheduledChunk
@@ -29,16 +28,6 @@ SHIPPED_DIR = ROOT / "src" / "gapless" / "demo_model"
 SCRIPT = ROOT / "scripts" / "train_demo_model.py"
 
 CODE = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n'
-
-
-def train_script() -> ModuleType:
-    """scripts/ is not a package; load the script as a module to reuse its corpus split."""
-    spec = importlib.util.spec_from_file_location("train_demo_model", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +83,7 @@ def test_shipped_model_predicts_held_out_stdlib(shipped: Path) -> None:
     tok = Tokenizer.from_pretrained(shipped)
     decoder = load_decoder(shipped, "float32")
     context = decoder.config.max_position_embeddings
-    _, val_files = train_script().split_stdlib()
+    _, val_files = load_script("train_demo_model").split_stdlib()  # its corpus split
     # The encodings/ charmap tables are near-copies of each other and would make this too easy.
     files = [path for path in val_files if "encodings" not in path.parts]
     bos, eos = tok.backend.token_to_id("<|bos|>"), tok.backend.token_to_id("<|eos|>")

@@ -10,13 +10,12 @@ import dataclasses
 
 import pytest
 from checkpoints import ARCHS
+from helpers import greedy, prompt
 from test_speculation import (
     Run,
     cancel_once_it_verifies,
     check_speculation_ran,
     decoding,
-    greedy,
-    prompt,
 )
 
 from gapless.engine.draft import DraftModel, check_same_tokenizer

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import base64
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import ollama
-import openai
 import pytest
 import torch
+from helpers import greedy, prompt
 from server_fixture import MODEL, RunningServer, running_server
-from test_engine import finished, greedy, prompt, run, tokens
+from test_engine import finished, run, tokens
 from test_model import hf_model
 
 from gapless import LLM, Engine, EngineConfig
@@ -26,11 +26,6 @@ from gapless.server.app import ServerSettings
 
 CONTEXT = 64  # the server's: inputs beyond it are cheap to send
 CHUNK = 8
-
-
-@pytest.fixture(scope="module")
-def llama_dir(checkpoint: Callable[..., Path]) -> Path:
-    return checkpoint("llama")
 
 
 @pytest.fixture(scope="module")
@@ -199,16 +194,6 @@ def server(llama_dir: Path) -> Iterator[RunningServer]:
         llama_dir, max_model_len=CONTEXT, prefill_chunk=CHUNK, idle_prefill_chunk=CHUNK
     ) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def oai(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def llama(server: RunningServer) -> ollama.Client:
-    return ollama.Client(host=server.url)
 
 
 TEXTS = ["def fibonacci(n):", "import os\nprint(os.getcwd())"]

@@ -8,19 +8,12 @@ import sys
 
 import pytest
 import torch
+from helpers import greedy, prompt
 
 from gapless import Engine, EngineConfig, SamplingParams
 from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampler import TokenCounts, apply_penalties
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(10, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import http.server
-import io
 import json
 import threading
 import time
@@ -24,7 +23,7 @@ import ollama
 import openai
 import pytest
 from checkpoints import write_test_tokenizer
-from PIL import Image
+from helpers import bomb, png
 from server_fixture import MODEL, RunningServer, running_server
 from test_vision import drawn, make_gemma3, make_llava
 
@@ -49,12 +48,6 @@ QUESTION = "What is in this picture?"
 NEW_TOKENS = 6
 LIMIT_IMAGES = 2
 MAX_PIXELS = 100 * 100
-
-
-def png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, "PNG")
-    return out.getvalue()
 
 
 RED_DISK = png(drawn(61, 45))
@@ -223,11 +216,6 @@ def test_token_counts_include_each_images_run(server: RunningServer, vlm_dir: Pa
 # -- bad images ------------------------------------------------------------------------------
 
 
-def _bomb() -> bytes:
-    """10,000 x 10,000 one-bit pixels in a few kB of PNG, past Pillow's own bomb limit."""
-    return png(Image.new("1", (10_000, 10_000)))
-
-
 # case -> (the images a request sends, base64 text where the dialect takes it raw, what the
 # 400's message says)
 BAD = {
@@ -235,7 +223,7 @@ BAD = {
     "empty": ([b""], "image 0 is empty (0 bytes)"),
     "truncated": ([RED_DISK[:100]], "image 0 is not a readable image"),
     "too_many_pixels": ([png(drawn(120, 100))], "pixel cap of 10000 (--max-image-pixels)"),
-    "bomb": ([_bomb()], "is a decompression bomb"),
+    "bomb": ([bomb(10_000)], "is a decompression bomb"),
     "too_many": ([RED_DISK] * 3, "the limit of 2 per prompt (--limit-mm-per-prompt)"),
 }
 

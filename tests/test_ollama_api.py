@@ -59,11 +59,6 @@ def server(checkpoint, tmp_path_factory) -> Iterator[RunningServer]:
         yield running
 
 
-@pytest.fixture(scope="module")
-def llama(server: RunningServer) -> ollama.Client:
-    return ollama.Client(host=server.url)
-
-
 def test_ps_lists_the_loaded_model(llama: ollama.Client, server: RunningServer) -> None:
     [model] = llama.ps().models
     assert model.name == model.model == f"{MODEL}:latest"
@@ -170,15 +165,19 @@ def test_tools_come_back_as_structured_calls(llama: ollama.Client, server: Runni
     assert after.prompt_eval_count == len(expected)
 
 
-def test_text_that_is_no_call_stays_content(llama: ollama.Client) -> None:
-    plain = llama.chat(model=MODEL, messages=ASK, options={"temperature": 0, "num_predict": 8})
-    with_tools = llama.chat(
+def test_text_that_is_no_call_stays_content(
+    llama: ollama.Client, client: httpx.Client, server: RunningServer
+) -> None:
+    reply = llama.chat(
         model=MODEL, messages=ASK, tools=TOOLS, options={"temperature": 0, "num_predict": 8}
     )
-    assert not with_tools.message.tool_calls
-    assert with_tools.eval_count == 8
-    assert with_tools.message.content  # the tools change the prompt, so not the same text
-    assert plain.message.content
+    assert not reply.message.tool_calls
+    assert reply.eval_count == 8
+    # All of the model's greedy text for that prompt (special tokens kept, as with tools).
+    ids = server.engine.tokenizer.encode_chat(ASK, tools=TOOLS)
+    body = {"prompt": ids, "max_tokens": 8, "temperature": 0, "skip_special_tokens": False}
+    model_text = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert model_text and reply.message.content == model_text
 
 
 def test_suffix_is_a_clear_error(llama: ollama.Client) -> None:

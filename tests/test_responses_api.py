@@ -54,11 +54,6 @@ def server(checkpoint, tmp_path_factory) -> Iterator[RunningServer]:
         yield running
 
 
-@pytest.fixture(scope="module")
-def oai(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
 def chat_text(client: httpx.Client, messages: list[dict[str, Any]], max_tokens: int) -> str:
     """The chat endpoint's greedy answer to the same conversation."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
@@ -95,7 +90,14 @@ def test_string_input_with_instructions(
     assert usage.output_tokens == 12
     assert usage.total_tokens == usage.input_tokens + 12
     assert usage.output_tokens_details.reasoning_tokens == 0
-    assert usage.input_tokens_details.cached_tokens >= 0
+    # No other test sends this prompt; the same request again finds its whole blocks cached.
+    assert usage.input_tokens_details.cached_tokens == 0
+    again = oai.responses.create(
+        input="Hello there", instructions="Be brief.", max_output_tokens=12, **GREEDY
+    )
+    block = server.engine.pool.block_size
+    cached = (usage.input_tokens - 1) // block * block  # the last token is always recomputed
+    assert again.usage.input_tokens_details.cached_tokens == cached > 0
     # 12 tokens of a greedy answer that does not end by itself within them.
     assert response.status == "incomplete"
     assert response.incomplete_details.reason == "max_output_tokens"

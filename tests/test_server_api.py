@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +22,6 @@ BODY_LIMIT = 256 * 1024
 
 
 @pytest.fixture(scope="module")
-def llama_dir(checkpoint: Callable[..., Path]) -> Path:
-    return checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
 def server(llama_dir: Path) -> Iterator[RunningServer]:
     # Small prefill chunks, also when idle, so every prompt prefills over several steps.
     settings = ServerSettings(MODEL, max_body_mb=BODY_LIMIT / 2**20)
@@ -40,11 +34,6 @@ def server(llama_dir: Path) -> Iterator[RunningServer]:
         max_num_seqs=32,
     ) as running:
         yield running
-
-
-@pytest.fixture
-def oai(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 def long_prompt_ids(server: RunningServer, n: int, salt: str) -> list[int]:
@@ -187,13 +176,12 @@ def test_stop_string_and_max_tokens_default(client: httpx.Client, server: Runnin
     assert r["choices"][0]["finish_reason"] == "stop"
     assert r["usage"]["completion_tokens"] == 3
 
-    # Without max_tokens the whole remaining context is allowed: eos or the context ends it.
-    r = client.post(
-        "/v1/completions", json={"prompt": long_prompt_ids(server, MAX_MODEL_LEN - 3, "default")}
-    ).json()
-    assert r["usage"]["total_tokens"] <= MAX_MODEL_LEN
-    if r["choices"][0]["finish_reason"] == "length":
-        assert r["usage"]["completion_tokens"] == 3
+    # Without max_tokens the whole remaining context is allowed: with eos ignored, the
+    # context ends it.
+    ids = long_prompt_ids(server, MAX_MODEL_LEN - 3, "default")
+    r = client.post("/v1/completions", json={"prompt": ids, "ignore_eos": True}).json()
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert (r["usage"]["completion_tokens"], r["usage"]["total_tokens"]) == (3, MAX_MODEL_LEN)
 
 
 def test_chat_logprobs(client: httpx.Client) -> None:
@@ -277,14 +265,6 @@ def test_sixteen_concurrent_streams(server: RunningServer) -> None:
     assert all(r[1:] == (max_tokens, "length", max_tokens) for r in results), results
 
 
-def _wait_for_metric(server: RunningServer, name: str, want: float, timeout: float = 10) -> None:
-    """Polls /metrics (the server's only view of this state) until `name` equals `want`."""
-    deadline = time.monotonic() + timeout
-    while (value := server.metrics()[name]) != want:
-        assert time.monotonic() < deadline, f"{name} is {value}, expected {want}"
-        time.sleep(0.02)
-
-
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_disconnect_cancels_and_frees_kv(
     server: RunningServer, phase: str, monkeypatch: pytest.MonkeyPatch
@@ -323,8 +303,8 @@ def test_disconnect_cancels_and_frees_kv(
         monkeypatch.undo()
         gate.release()  # the engine may be waiting in gated_forward
     # The client is gone: the request must end as cancelled and give back its KV blocks.
-    _wait_for_metric(server, "gapless_requests_running", 0)
-    _wait_for_metric(server, "gapless_kv_blocks_used", before["gapless_kv_blocks_used"])
+    server.wait_for_metric("gapless_requests_running", 0)
+    server.wait_for_metric("gapless_kv_blocks_used", before["gapless_kv_blocks_used"])
     assert _finished(server, "cancelled") == cancelled_before + 1
 
 

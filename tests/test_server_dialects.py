@@ -66,16 +66,6 @@ def server(
         yield running
 
 
-@pytest.fixture
-def claude(server: RunningServer) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def llama(server: RunningServer) -> ollama.Client:
-    return ollama.Client(host=server.url)
-
-
 def _prompt_text(client: httpx.Client, body: dict[str, Any]) -> str:
     tokens = client.post("/tokenize", json=body).json()["tokens"]
     return client.post("/detokenize", json={"tokens": tokens}).json()["prompt"]

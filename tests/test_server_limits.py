@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,11 +18,6 @@ KEY = "sk-test-0123456789"
 
 
 @pytest.fixture(scope="module")
-def llama_dir(checkpoint: Callable[..., Path]) -> Path:
-    return checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
 def server(llama_dir: Path) -> Iterator[RunningServer]:
     # One request runs at a time and one may wait: the third is refused.
     settings = ServerSettings(MODEL, api_key=KEY)
@@ -30,13 +25,6 @@ def server(llama_dir: Path) -> Iterator[RunningServer]:
         llama_dir, settings, max_num_seqs=1, max_queue=1, kv_cache_tokens=8192
     ) as running:
         yield running
-
-
-def _wait_for_metric(server: RunningServer, name: str, want: float, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while (value := server.metrics()[name]) != want:
-        assert time.monotonic() < deadline, f"{name} is {value}, expected {want}"
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +71,7 @@ def test_full_queue_is_503_with_retry_after(server: RunningServer) -> None:
         )
         waiter.start()
         # Not observable through its own response (nothing is sent while it waits).
-        _wait_for_metric(server, "gapless_requests_waiting", 1)
+        server.wait_for_metric("gapless_requests_waiting", 1)
         r = httpx.post(f"{server.url}/v1/completions", headers=auth, json={"prompt": "x"})
         assert r.status_code == 503
         assert r.headers["retry-after"] == "1"
@@ -99,7 +87,7 @@ def test_full_queue_is_503_with_retry_after(server: RunningServer) -> None:
             )
     waiter.join(timeout=30)
     assert not waiter.is_alive()
-    _wait_for_metric(server, "gapless_requests_running", 0)
+    server.wait_for_metric("gapless_requests_running", 0)
 
 
 def test_shutdown_lets_streams_finish_and_refuses_new_work(llama_dir: Path) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine import finished, greedy, prompt, run, tokens
+from helpers import greedy, prompt
+from test_engine import finished, run, tokens
 from test_model import hf_model
 
 from gapless import LLM, Engine, EngineConfig

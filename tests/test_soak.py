@@ -4,22 +4,10 @@ leaks nothing and fails no request (see the script for the checks)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
-
-
-def load_soak() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("soak", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_script
 
 
 def test_a_one_minute_soak_leaks_nothing_and_fails_nothing(
@@ -32,7 +20,7 @@ def test_a_one_minute_soak_leaks_nothing_and_fails_nothing(
     argv += ["--shape-cache-entries", "16"]
     # The demo checkpoint has a 4,096-token context: long prompts of 1,000-3,000 tokens fit.
     server = [str(demo_checkpoint), "--kv-cache-tokens", "16384"]
-    status = load_soak().main([*argv, "--out", str(out), "--", *server])
+    status = load_script("soak").main([*argv, "--out", str(out), "--", *server])
 
     summary = json.loads((out / "summary.json").read_text())
     failed = {name: check for name, check in summary["checks"].items() if not check["ok"]}

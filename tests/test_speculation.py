@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 from checkpoints import ARCHS
+from helpers import greedy, prompt
 
 from gapless.engine import engine as engine_module
 from gapless.engine import scheduler as scheduler_module
@@ -24,14 +25,6 @@ from gapless.engine.structured import regex_grammar
 from gapless.kv.block_pool import BlockPool
 from gapless.kv.prefix_cache import block_hashes
 from gapless.model.default_model import installed_default_model
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(10, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def greedy(max_tokens: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw)
 
 
 class Run:

@@ -8,7 +8,7 @@ import json
 
 import jsonschema
 import pytest
-import torch
+from helpers import prompt
 
 from gapless.engine.engine import Engine, EngineConfig
 from gapless.engine.events import FinishedEvent, TokenEvent
@@ -25,10 +25,6 @@ PERSON = {
     "required": ["name", "age", "tags"],
     "additionalProperties": False,
 }
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(10, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture

@@ -253,18 +253,6 @@ CHECKPOINTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory: pytest.TempPathFactory):
-    built: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in built:
-            built[name] = CHECKPOINTS[name](tmp_path_factory.mktemp(name))
-        return built[name]
-
-    return get
-
-
 def hf_vlm(path: Path):
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 

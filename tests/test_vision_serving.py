@@ -7,12 +7,11 @@ embeddings; and each bad image is refused at admission with a message naming its
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import write_test_tokenizer
+from helpers import bomb, png
 from PIL import Image
 from test_model import prompt
 from test_vision import (
@@ -20,9 +19,6 @@ from test_vision import (
     IMAGES,
     hf_inputs,
     hf_vlm,
-    make_gemma3,
-    make_llava,
-    make_qwen2_5_vl,
 )
 
 from gapless.engine.admission import RequestError
@@ -30,26 +26,8 @@ from gapless.engine.engine import Engine, EngineConfig
 from gapless.engine.events import FinishedEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
 
-MAKERS = {
-    "llava": lambda out: make_llava(out, "clip"),
-    "qwen2_5_vl": make_qwen2_5_vl,
-    "gemma3": make_gemma3,
-}
+MODELS = ["llava-clip", "qwen2_5_vl", "gemma3"]  # conftest's vlm builds them
 NEW_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory: pytest.TempPathFactory):
-    built: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in built:
-            path = MAKERS[name](tmp_path_factory.mktemp(name))
-            write_test_tokenizer(path)
-            built[name] = path
-        return built[name]
-
-    return get
 
 
 def engine_of(path: Path, chunk: int = 512, **options) -> Engine:
@@ -64,12 +42,6 @@ def engine_of(path: Path, chunk: int = 512, **options) -> Engine:
     return Engine.from_pretrained(path, config)
 
 
-def png(image: Image.Image) -> bytes:
-    out = io.BytesIO()
-    image.save(out, "PNG")
-    return out.getvalue()
-
-
 def two_image_prompt() -> list[int]:
     """Text, an image's placeholder, text, the next image's, text."""
     return prompt(13, seed=1) + [IMAGE_TOKEN] + prompt(9, seed=2) + [IMAGE_TOKEN] + prompt(5)
@@ -80,8 +52,9 @@ def run(engine: Engine, ids: list[int], images: list, max_tokens: int = NEW_TOKE
     request_id = engine.add_request(ids, params, images=[png(i) for i in images])
     tokens = []
     while engine.has_work:
-        tokens += [t for e in engine.step() if isinstance(e, TokenEvent) for t in e.token_ids]
-        assert request_id  # the request's own events are the only ones here
+        events = engine.step()
+        assert {e.request_id for e in events} <= {request_id}  # the only request here
+        tokens += [t for e in events if isinstance(e, TokenEvent) for t in e.token_ids]
     return tokens
 
 
@@ -101,7 +74,7 @@ def expected(path: Path, engine: Engine, ids: list[int], images: list) -> list[i
     return out[0, len(expanded) :].tolist()
 
 
-@pytest.mark.parametrize("name", MAKERS)
+@pytest.mark.parametrize("name", MODELS)
 def test_greedy_tokens_with_two_images_equal_transformers_whole_and_in_16_token_chunks(
     vlm, name: str
 ) -> None:
@@ -117,7 +90,7 @@ def test_greedy_tokens_with_two_images_equal_transformers_whole_and_in_16_token_
     assert chunked.pool.num_used == 0
 
 
-@pytest.mark.parametrize("name", ["llava", "gemma3"])
+@pytest.mark.parametrize("name", ["llava-clip", "gemma3"])
 def test_image_request_beside_decodes_keeps_one_token_per_step(vlm, name: str) -> None:
     engine = engine_of(vlm(name), chunk=16)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -188,7 +161,7 @@ def test_gemma3_images_are_never_cut_by_a_chunk(vlm) -> None:
 
 
 def test_cancel_during_prefill_frees_blocks_and_embeddings(vlm) -> None:
-    engine = engine_of(vlm("llava"), chunk=16)
+    engine = engine_of(vlm("llava-clip"), chunk=16)
     request_id = engine.add_request(
         two_image_prompt(), SamplingParams(max_tokens=4), images=[png(IMAGES[0]), png(IMAGES[1])]
     )
@@ -204,7 +177,7 @@ def test_cancel_during_prefill_frees_blocks_and_embeddings(vlm) -> None:
     assert not engine.has_work
 
 
-@pytest.mark.parametrize("name", MAKERS)
+@pytest.mark.parametrize("name", MODELS)
 def test_an_encode_cut_unit_by_unit_gives_the_whole_encodes_embeddings(vlm, name: str) -> None:
     engine = engine_of(vlm(name))
     encoder = engine.runner.encoder
@@ -215,7 +188,7 @@ def test_an_encode_cut_unit_by_unit_gives_the_whole_encodes_embeddings(vlm, name
         assert torch.equal(steps.embeds, encoder.encode(prepared))  # bit for bit
 
 
-@pytest.mark.parametrize("name", MAKERS)
+@pytest.mark.parametrize("name", MODELS)
 def test_an_encode_cut_across_steps_beside_decodes_gives_the_same_tokens(vlm, name: str) -> None:
     """With 4-token chunks, each image's encode runs a unit or so a step while three streams
     decode, every step; no step runs more units than the rule allows (the encode's price over
@@ -266,7 +239,7 @@ def test_an_encode_cut_across_steps_beside_decodes_gives_the_same_tokens(vlm, na
 
 
 def test_embeddings_are_freed_once_the_prompt_passes_the_image(vlm) -> None:
-    engine = engine_of(vlm("llava"), chunk=16)
+    engine = engine_of(vlm("llava-clip"), chunk=16)
     engine.add_request(
         two_image_prompt(), SamplingParams(max_tokens=8), images=[png(IMAGES[0]), png(IMAGES[1])]
     )
@@ -283,7 +256,7 @@ def test_embeddings_are_freed_once_the_prompt_passes_the_image(vlm) -> None:
 
 
 def test_prefix_cache_shares_blocks_for_the_same_image_only(vlm) -> None:
-    engine = engine_of(vlm("llava"))
+    engine = engine_of(vlm("llava-clip"))
     ids = prompt(40, seed=3) + [IMAGE_TOKEN] + prompt(20, seed=4)
     cached = []
     for image in (IMAGES[0], IMAGES[0], IMAGES[1]):
@@ -300,7 +273,7 @@ def test_under_a_latency_target_each_encode_is_timed_as_its_own_cost(vlm) -> Non
     """With --target-itl-ms the tokens are the same, and the cost model is told each step's
     encoded placeholder tokens as the share of the encodes it runs: units of each image's
     tokens over its units, adding up to the two images' tokens, once each."""
-    path = vlm("llava")
+    path = vlm("llava-clip")
     ids, images = two_image_prompt(), IMAGES[:2]
     want = run(engine_of(path, chunk=16), ids, images)
     engine = engine_of(path, chunk=16, target_itl_ms=1000)
@@ -318,7 +291,7 @@ def test_without_a_target_encodes_are_priced_by_the_cost_model(vlm) -> None:
     """A vision-language engine keeps a cost model without a latency target, and the
     scheduler charges encodes its price (placeholder tokens until it has fitted one); the
     chunk budget stays the fixed one, and the tokens are unchanged."""
-    path = vlm("llava")
+    path = vlm("llava-clip")
     ids, images = two_image_prompt(), IMAGES[:2]
     want = run(engine_of(path, chunk=16), ids, images)
     engine = engine_of(path, chunk=16)
@@ -338,25 +311,18 @@ def test_text_only_model_refuses_images(tmp_path: Path) -> None:
         engine.add_request([1, 2, 3], images=[png(IMAGES[0])])
 
 
-def bomb() -> bytes:
-    """A tiny PNG whose header declares 20000 x 20000 pixels."""
-    out = io.BytesIO()
-    Image.new("1", (20_000, 20_000)).save(out, "PNG")
-    return out.getvalue()
-
-
 BAD = {
     "corrupt": (lambda: b"\x89PNG\r\n\x1a\nnot really", "not a readable image"),
     "truncated": (lambda: png(IMAGES[0])[:60], "not a readable image"),
     "empty": (lambda: b"", "empty"),
-    "bomb": (bomb, "--max-image-pixels"),
+    "bomb": (lambda: bomb(20_000), "--max-image-pixels"),
     "too many pixels": (lambda: png(Image.new("RGB", (200, 200))), "--max-image-pixels"),
 }
 
 
 @pytest.mark.parametrize("case", BAD)
 def test_bad_images_are_refused_naming_the_limit(vlm, case: str) -> None:
-    engine = engine_of(vlm("llava"), max_image_pixels=100 * 100)
+    engine = engine_of(vlm("llava-clip"), max_image_pixels=100 * 100)
     data, message = BAD[case]
     with pytest.raises(RequestError, match=message) as caught:
         engine.add_request(two_image_prompt(), images=[data(), png(IMAGES[0])])
@@ -364,7 +330,7 @@ def test_bad_images_are_refused_naming_the_limit(vlm, case: str) -> None:
 
 
 def test_too_many_images_and_placeholder_mismatch_are_refused(vlm) -> None:
-    engine = engine_of(vlm("llava"), limit_mm_per_prompt=1)
+    engine = engine_of(vlm("llava-clip"), limit_mm_per_prompt=1)
     with pytest.raises(RequestError, match="--limit-mm-per-prompt"):
         engine.add_request(two_image_prompt(), images=[png(IMAGES[0]), png(IMAGES[1])])
     with pytest.raises(RequestError, match="placeholders"):
