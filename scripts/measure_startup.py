@@ -85,9 +85,8 @@ def main() -> None:
     parser.add_argument("model", nargs="?", default="default")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=8199)
-    parser.add_argument("flags", nargs=argparse.REMAINDER, help="after --: gapless serve flags")
-    args = parser.parse_args()
-    flags = [f for f in args.flags if f != "--"]
+    args, flags = parser.parse_known_args()  # the rest: gapless serve flags, after --
+    flags = [f for f in flags if f != "--"]
     rounds = [one_round(args.model, args.port, flags) for _ in range(args.rounds)]
     names = [*MARKS, "health answers", "first token"]
     print(
