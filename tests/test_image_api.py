@@ -111,21 +111,6 @@ def expected(vlm_dir: Path) -> Callable[..., str]:
     return text_of
 
 
-@pytest.fixture
-def gpt(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def claude(server: RunningServer) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-
-
-@pytest.fixture
-def llama(server: RunningServer) -> ollama.Client:
-    return ollama.Client(host=server.url)
-
-
 def openai_image(data: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": data_url(data)}}
 
@@ -168,24 +153,24 @@ def ask_ollama_generate(llama: ollama.Client, images: list[bytes]) -> str:
     return llama.generate(model=MODEL, prompt=QUESTION, images=images, options=options).response
 
 
-def test_every_dialect_gives_the_engines_tokens_for_the_image(gpt, claude, llama, expected) -> None:
+def test_every_dialect_gives_the_engines_tokens_for_the_image(oai, claude, llama, expected) -> None:
     want = expected([RED_DISK])
-    assert ask_openai(gpt, [RED_DISK]) == want
-    assert ask_openai(gpt, [RED_DISK], stream=True) == want
+    assert ask_openai(oai, [RED_DISK]) == want
+    assert ask_openai(oai, [RED_DISK], stream=True) == want
     assert ask_anthropic(claude, [RED_DISK]) == want
     assert ask_ollama_chat(llama, [RED_DISK]) == want
     assert ask_ollama_generate(llama, [RED_DISK]) == want
 
 
 def test_another_image_gives_other_tokens_and_two_images_are_placed_in_order(
-    gpt, claude, expected
+    oai, claude, expected
 ) -> None:
     one, other = expected([RED_DISK]), expected([NOISE])
     assert one != other  # the image reaches the model
-    assert ask_openai(gpt, [NOISE]) == other
+    assert ask_openai(oai, [NOISE]) == other
     both = expected([RED_DISK, NOISE])
     assert both != expected([NOISE, RED_DISK])
-    assert ask_openai(gpt, [RED_DISK, NOISE]) == both
+    assert ask_openai(oai, [RED_DISK, NOISE]) == both
     assert ask_anthropic(claude, [RED_DISK, NOISE]) == both
 
 
