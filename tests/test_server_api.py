@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from server_fixture import MODEL, RunningServer, SSEReader, running_server, stream
 
 from gapless.server.app import ServerSettings, max_json_values
+from gapless.server.endpoint import ndjson, sse
 
 CHUNK = 16
 MAX_MODEL_LEN = 2048
@@ -575,3 +577,13 @@ def test_metrics_exposition(client: httpx.Client, server: RunningServer) -> None
     assert values["gapless_kv_blocks_total"] == server.engine.pool.num_blocks
     assert values["gapless_generation_tokens_total"] >= 3
     assert values["gapless_time_to_first_token_seconds_count"] >= 1
+
+
+@pytest.mark.parametrize("text", ["a\u2028b", "a\u2029b", "a\x85b", "é\u2028\n"])
+def test_a_streamed_line_holds_its_text_whole_whatever_line_breaks_it_carries(text):
+    """Generated text may hold characters that str.splitlines (and httpx's iter_lines, and
+    so many clients) take for line ends: an SSE data line or an NDJSON line stays one line."""
+    obj = {"text": text}
+    for line in (sse(obj).decode(), ndjson(obj).decode()):
+        [data] = [part for part in line.splitlines() if part]
+        assert json.loads(data.removeprefix("data: ")) == obj

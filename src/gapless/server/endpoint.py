@@ -155,9 +155,19 @@ def error_response(error: APIError, error_body: ErrorBody) -> JSONResponse:
     return JSONResponse(error_body(error), error.status, headers=error.headers)
 
 
+# Characters that str.splitlines, and so many clients' line readers (httpx's iter_lines among
+# them), take for line ends, which JSON leaves raw: a generated one would cut a streamed line.
+_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def stream_json(obj: Any) -> str:
+    """obj as JSON on one line, whatever its text holds (UTF-8 otherwise, not \\u escapes)."""
+    return json.dumps(obj, ensure_ascii=False).translate(_LINE_ENDS)
+
+
 def sse(obj: dict[str, Any] | str, event: str | None = None) -> bytes:
     """One Server-Sent Event; `event` names its type (Anthropic's streams name every event)."""
-    text = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    text = obj if isinstance(obj, str) else stream_json(obj)
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {text}\n\n".encode()
 
@@ -169,7 +179,7 @@ def progress_comment(event: ProgressEvent) -> bytes:
 
 
 def ndjson(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+    return stream_json(obj).encode() + b"\n"
 
 
 # -- rendering ------------------------------------------------------------------------------
