@@ -25,6 +25,7 @@ from test_tensor_parallel import sharded_runner, tp2  # noqa: F401 - a fixture
 
 from gapless import LLM, SamplingParams
 from gapless.engine.runner import ModelRunner
+from gapless.model import families
 from gapless.model.gguf import load_gguf
 from gapless.model.loader import load_decoder
 
@@ -121,3 +122,27 @@ def test_gguf_file_runs_as_transformers_gguf_loader(checkpoint, tmp_path, monkey
     if qtype == QType.F32:  # and as the checkpoint it was written from
         want = run_chunks(ModelRunner(load_decoder(ckpt, "float32"), 8, 16), Seq(ids, 0), [40])
         assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("architecture", "gguf"),
+    [
+        ("LlamaForCausalLM", "llama"),
+        ("MistralForCausalLM", "llama"),  # llama.cpp writes Mistral and Mixtral as llama files
+        ("MixtralForCausalLM", "llama"),
+        ("Qwen2ForCausalLM", "qwen2"),
+        ("Qwen3MoeForCausalLM", "qwen3moe"),
+        ("GptOssForCausalLM", "gpt-oss"),
+        ("Gemma3ForCausalLM", "gemma3"),
+        ("Phi3ForCausalLM", "phi3"),
+    ],
+)
+def test_a_models_family_is_llama_cpps_architecture_name(architecture, gguf):
+    """What Ollama's /api/show and /api/tags call the family (model/describe.py)."""
+    assert families.gguf_architecture(architecture) == gguf
+
+
+def test_every_gguf_architecture_a_family_reads_names_it_back():
+    for family in families.FAMILIES:
+        for gguf, architecture in family.GGUF_ARCHITECTURES.items():
+            assert families.gguf_architecture(architecture) == gguf

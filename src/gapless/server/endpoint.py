@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -32,6 +33,7 @@ from gapless.engine.engine import Engine, EngineFailed, QueueFull
 from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent
 from gapless.engine.options import check, option
 from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
+from gapless.model.describe import ModelDescription, describe
 from gapless.server import protocol
 from gapless.server.images import ImageReader
 from gapless.server.protocol import APIError
@@ -140,6 +142,11 @@ class ServerState:
         self.live: set[str] = set()  # request ids whose response is still being written
         self.idle = asyncio.Event()
         self.idle.set()
+
+    @functools.cached_property
+    def description(self) -> ModelDescription:
+        """The served model, as Ollama's and OpenAI's model endpoints describe it."""
+        return describe(self.engine.decoder, self.engine.max_model_len)
 
     def request_started(self, request_id: str) -> None:
         self.live.add(request_id)

@@ -13,11 +13,8 @@ longer than the context unless `truncate` is false.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import time
-from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -26,7 +23,6 @@ from typing import Any
 
 import jinja2
 import jinja2.meta
-import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -34,8 +30,6 @@ from gapless.engine.admission import Admission
 from gapless.engine.events import FinishedEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.structured import GrammarCompiler
-from gapless.kernels.quant import BlockQuant, Quantized
-from gapless.model.loader import expected_shapes
 from gapless.server import protocol, tool_calls
 from gapless.server.endpoint import (
     EmbeddingRenderer,
@@ -454,72 +448,15 @@ async def generate_text(state: ServerState, request: Request) -> Response:
     return await _generate(state, request, chat=False)
 
 
-def _family(state: ServerState) -> str:
-    """The architecture as GGUF (and so Ollama) names it: LlamaForCausalLM is `llama`."""
-    return state.engine.decoder.config.architecture.removesuffix("ForCausalLM").lower()
-
-
-def _parameter_count(state: ServerState) -> int:
-    return sum(math.prod(shape) for shape in expected_shapes(state.engine.decoder.config).values())
-
-
-def _parameter_size(count: int) -> str:
-    """As Ollama writes it: 135M, 8.0B."""
-    if count >= 10**9:
-        return f"{count / 10**9:.1f}B"
-    return f"{count / 10**6:.0f}M" if count >= 10**6 else f"{count / 10**3:.0f}K"
-
-
-def _tensors(state: ServerState) -> tuple[int, list[Quantized]]:
-    """The bytes of the tensors this process holds for the model (the weights, and small
-    buffers such as a layer's rope frequencies), each counted once (tied ones share a
-    tensor), and its quantized weights: all that is reachable from the decoder's embedding,
-    layers and head."""
-    decoder = state.engine.decoder
-    seen: set[int] = set()
-    total, quantized = 0, []
-    todo: list[Any] = [decoder.embed, decoder.final_norm, decoder.lm_head, *decoder.layers]
-    while todo:
-        obj = todo.pop()
-        if obj is None or id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            total += obj.numel() * obj.element_size()
-            continue
-        if isinstance(obj, Quantized):
-            quantized.append(obj)
-        if isinstance(obj, list | tuple):
-            todo.extend(obj)
-        elif dataclasses.is_dataclass(obj) or type(obj).__module__.startswith("gapless."):
-            todo.extend(vars(obj).values())  # a layer, a linear, a norm, quantized weights
-    return total, quantized
-
-
-def _quantization_level(state: ServerState, quantized: list[Quantized]) -> str:
-    """The GGUF block type that holds the most bytes (Q4_K for a Q4_K_M file); INT8 or INT4
-    for torch's int linears (int8's GroupQuant has no offset); else the float type's name."""
-    held: Counter[str] = Counter()
-    for w in quantized:
-        if isinstance(w, BlockQuant):
-            held[w.type_name] += w.blocks.numel()
-    if held:
-        return held.most_common(1)[0][0]
-    if quantized:
-        return "INT8" if quantized[0].offset is None else "INT4"  # type: ignore[union-attr]
-    floats = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-    return floats.get(state.engine.decoder.dtype, str(state.engine.decoder.dtype))
-
-
-def _details(state: ServerState, quantized: list[Quantized]) -> dict[str, Any]:
-    family = _family(state)
+def _details(state: ServerState) -> dict[str, Any]:
+    model = state.description
     return {
         "parent_model": "",
         "format": "",
-        "family": family,
-        "families": [family],
-        "parameter_size": _parameter_size(_parameter_count(state)),
-        "quantization_level": _quantization_level(state, quantized),
+        "family": model.family,
+        "families": [model.family],
+        "parameter_size": model.parameter_size,
+        "quantization_level": model.quantization_level,
     }
 
 
@@ -529,13 +466,12 @@ def _modified_at(state: ServerState) -> str:
 
 def _card(state: ServerState) -> dict[str, Any]:
     name = _model_name(state)
-    size, quantized = _tensors(state)
     return {
         "name": name,
         "model": name,
-        "size": size,
+        "size": state.description.held_bytes,
         "digest": "",
-        "details": _details(state, quantized),
+        "details": _details(state),
     }
 
 
@@ -549,7 +485,7 @@ async def ps(state: ServerState, request: Request) -> Response:
         **_card(state),
         "expires_at": NEVER_EXPIRES,
         "size_vram": 0,
-        "context_length": state.engine.max_model_len,
+        "context_length": state.description.context_length,
     }
     return JSONResponse({"models": [loaded]})
 
@@ -576,13 +512,13 @@ def _parameters(state: ServerState) -> str:
 
 def _model_info(state: ServerState) -> dict[str, Any]:
     """GGUF's metadata keys, as Ollama shows them."""
-    family, config = _family(state), state.engine.decoder.config
+    model, config = state.description, state.engine.decoder.config
     info: dict[str, Any] = {
-        "general.architecture": family,
-        "general.parameter_count": _parameter_count(state),
+        "general.architecture": model.family,
+        "general.parameter_count": model.parameter_count,
     }
     for key, value in (
-        ("context_length", state.engine.max_model_len),
+        ("context_length", model.context_length),
         ("embedding_length", config.hidden_size),
         ("feed_forward_length", config.intermediate_size),
         ("block_count", config.num_layers),
@@ -594,7 +530,7 @@ def _model_info(state: ServerState) -> dict[str, Any]:
         ("rope.freq_base", config.rope_theta),
         ("vocab_size", config.vocab_size),
     ):
-        info[f"{family}.{key}"] = value
+        info[f"{model.family}.{key}"] = value
     return info
 
 
@@ -612,7 +548,7 @@ async def show(state: ServerState, request: Request) -> Response:
             "modelfile": "",
             "parameters": _parameters(state),
             "template": template or "",
-            "details": _details(state, _tensors(state)[1]),
+            "details": _details(state),
             "model_info": _model_info(state),
             "capabilities": capabilities,
             "modified_at": _modified_at(state),

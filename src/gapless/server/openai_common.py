@@ -256,7 +256,7 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "object": "model",
         "created": state.created,
         "owned_by": "gapless",
-        "max_model_len": state.engine.max_model_len,
+        "max_model_len": state.description.context_length,
     }
 
 

@@ -51,6 +51,20 @@ FAMILIES: tuple[ModuleType, ...] = (
 )
 
 
+def gguf_architecture(architecture: str) -> str:
+    """llama.cpp's `general.architecture` for a model of config.json's `architecture` (what
+    Ollama calls its family): LlamaForCausalLM is `llama`, GptOssForCausalLM `gpt-oss`, and
+    Mistral and Mixtral, which llama.cpp writes as `llama` files, `llama` too."""
+    for family in FAMILIES:
+        for name, hf_architecture in family.GGUF_ARCHITECTURES.items():
+            if hf_architecture == architecture:
+                return name
+    if architecture in llama.ARCHITECTURES or architecture in mixtral.ARCHITECTURES:
+        return "llama"
+    # The vision-language families, whose GGUF files gapless does not read: their own name.
+    return architecture.removesuffix("ForConditionalGeneration").lower()
+
+
 def family_of(architecture: str | None) -> ModuleType:
     """The family that reads config.json's architecture."""
     for family in FAMILIES:
