@@ -16,7 +16,8 @@ import statistics
 import time
 
 from gapless.engine import sampler, structured
-from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.config import EngineConfig
+from gapless.engine.engine import Engine
 from gapless.engine.sampling_params import SamplingParams
 from gapless.model.default_model import installed_default_model
 

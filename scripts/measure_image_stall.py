@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.config import EngineConfig
+from gapless.engine.engine import Engine
 from gapless.engine.events import TokenEvent
 from gapless.engine.sampling_params import SamplingParams
 from gapless.model.demo import build_bpe_tokenizer, stdlib_sources, write_tokenizer_files

@@ -19,7 +19,8 @@ from typing import Any
 
 import httpx
 
-from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.config import EngineConfig
+from gapless.engine.engine import Engine
 from gapless.server.app import GaplessServer, ServerSettings
 
 MODEL = "tiny-llama"

@@ -18,8 +18,9 @@ from test_speculation import (
     decoding,
 )
 
+from gapless.engine.config import EngineConfig
 from gapless.engine.draft import DraftModel, check_same_tokenizer
-from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.engine import Engine
 from gapless.engine.plan import DraftPlan
 from gapless.engine.request import Request
 from gapless.engine.sampling_params import SamplingParams

@@ -27,7 +27,8 @@ from helpers import bomb, png
 from server_fixture import MODEL, RunningServer, running_server
 from test_vision import drawn, make_gemma3, make_llava
 
-from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.config import EngineConfig
+from gapless.engine.engine import Engine
 from gapless.engine.events import TokenEvent
 from gapless.engine.sampling_params import SamplingParams
 from gapless.server.app import ServerSettings

@@ -15,7 +15,7 @@ from test_model import ModelRunner, Seq, run_chunks
 
 import gapless.engine.scheduler
 from gapless import LLM, SamplingParams
-from gapless.engine.engine import EngineConfig
+from gapless.engine.config import EngineConfig
 from gapless.kernels.linear import BlockLinear, Int4Linear, Int8Linear
 from gapless.kernels.probe import int4_mm_works, int8_mm_works
 from gapless.model.gguf import unpack

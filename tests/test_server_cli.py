@@ -172,7 +172,7 @@ def test_serve_flags_reach_the_configs_their_options_live_on() -> None:
     command line lands on that field, and defaults are the fields' own."""
     import argparse
 
-    from gapless.engine.engine import EngineConfig
+    from gapless.engine.config import EngineConfig
     from gapless.server.cli import add_serve_parser, engine_config, server_settings
 
     parser = argparse.ArgumentParser()

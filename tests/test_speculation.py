@@ -15,7 +15,8 @@ from helpers import greedy, prompt
 from gapless.engine import engine as engine_module
 from gapless.engine import scheduler as scheduler_module
 from gapless.engine import speculation as speculation_module
-from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.config import EngineConfig
+from gapless.engine.engine import Engine
 from gapless.engine.events import FinishedEvent, TokenEvent
 from gapless.engine.request import Request, RequestState
 from gapless.engine.sampling_params import SamplingParams

@@ -10,7 +10,8 @@ import jsonschema
 import pytest
 from helpers import prompt
 
-from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.config import EngineConfig
+from gapless.engine.engine import Engine
 from gapless.engine.events import FinishedEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.structured import GrammarError, choice_grammar, json_schema_grammar

@@ -22,7 +22,8 @@ from test_vision import (
 )
 
 from gapless.engine.admission import RequestError
-from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.config import EngineConfig
+from gapless.engine.engine import Engine
 from gapless.engine.events import FinishedEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
 

@@ -1,6 +1,7 @@
 """gapless: an LLM inference server whose token streams never stall."""
 
-from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.config import EngineConfig
+from gapless.engine.engine import Engine
 from gapless.engine.llm import LLM, RequestOutput
 from gapless.engine.sampling_params import SamplingParams
 

@@ -301,7 +301,8 @@ def time_model(
 def engine_overhead(model_dir: Path, dtype: torch.dtype, batch: int, steps: int) -> dict:
     """Step time of the whole engine (scheduling, sampling, detokenizing, events) against its
     model forward, with `batch` greedy sequences decoding."""
-    from gapless.engine.engine import Engine, EngineConfig
+    from gapless.engine.config import EngineConfig
+    from gapless.engine.engine import Engine
     from gapless.engine.sampling_params import SamplingParams
 
     dtype_name = str(dtype).removeprefix("torch.")

@@ -11,7 +11,6 @@ import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,32 +20,25 @@ import torch.nn.functional as F
 from gapless.device import rank_device
 from gapless.engine import distributed
 from gapless.engine.admission import Admission, CheckedPrompt, ImageInput, RequestError
+from gapless.engine.config import EngineConfig
 from gapless.engine.cost_model import LEARNING_CHUNK, StepCostModel, step_features
 from gapless.engine.draft import DraftModel, check_draft
 from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent, TokenLogprob
 from gapless.engine.metrics import EngineMetrics
-from gapless.engine.options import check, option, split
 from gapless.engine.output import OutputStream
 from gapless.engine.plan import Fork, ScheduledChunk, StepOutcome, StepPlan
 from gapless.engine.request import POOLINGS, Request, RequestState
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampler import SamplingState, TokenCounts, sample, top_logprobs
 from gapless.engine.sampling_params import SamplingParams
-from gapless.engine.scheduler import Scheduler, SchedulerConfig
+from gapless.engine.scheduler import Scheduler
 from gapless.engine.speculation import Speculation
 from gapless.engine.structured import GrammarCompiler, GrammarError
-from gapless.kernels import DTYPES
 from gapless.kv.block_pool import BlockPool
 from gapless.kv.groups import KVGroup, LayerGroups, split_blocks
 from gapless.model.checkpoint import load_model, read_model_config
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import RankFailed, check_shardable
-from gapless.model.quantize import (
-    DEFAULT_INT4_GROUP_SIZE,
-    INT4_GROUP_SIZES,
-    QUANTIZE_CHOICES,
-    quantizer,
-)
 from gapless.model.tokenizer import Tokenizer
 from gapless.model.vision import VisionLanguageModel, is_vision_language, load_vision_language
 
@@ -64,131 +56,6 @@ class QueueFull(RuntimeError):
 
 class EngineFailed(RuntimeError):
     """The engine can run no more steps (a tensor-parallel rank failed)."""
-
-
-# The --help section of the image options.
-IMAGES = "images (vision-language models)"
-
-
-@dataclass
-class EngineConfig:
-    """The engine's options (see options.py); `EngineConfig.of(**options)` takes them, the
-    scheduler's included, by name."""
-
-    dtype: str = option(
-        "auto",
-        "auto: bfloat16 on CUDA and bf16-capable CPUs, else float32 (and for quantized "
-        "weights on CPU)",
-        choices=("auto", *DTYPES),
-    )
-    device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
-    quantize: str | None = option(
-        None,
-        "quantize the linears' float weights at load, into GGUF blocks where our block kernels "
-        "run: int8 (Q8_0, a scale per 32) or int4 (Q4_1, a scale and minimum per 32); "
-        "embeddings and norms stay in --dtype. A GGUF file's quantized weights run as they "
-        "are without this flag",
-        choices=QUANTIZE_CHOICES,
-    )
-    quantize_group_size: int = option(
-        DEFAULT_INT4_GROUP_SIZE,
-        "int4: columns per scale and offset (32: Q4_1 blocks; 64, 128: torch's int4 op)",
-        choices=INT4_GROUP_SIZES,
-    )
-    block_size: int = option(16, "tokens per KV cache block", positive=True, cli=False)
-    kv_cache_tokens: int | None = option(
-        None, "KV cache size in tokens", positive=True, metavar="N", exclusive="kv"
-    )
-    kv_memory_gib: float = option(
-        2.0,
-        "KV cache size in GiB",
-        positive=True,
-        flag="--kv-memory",
-        metavar="GIB",
-        exclusive="kv",
-    )
-    max_model_len: int | None = option(
-        None, "context length (default: the model's maximum)", positive=True
-    )
-    target_itl_ms: float | None = option(
-        None,
-        "size prefill chunks so decode steps stay under this inter-token latency",
-        positive=True,
-        metavar="MS",
-    )
-    max_queue: int | None = option(
-        None, "waiting requests beyond this get 503 (default: no limit)", minimum=0
-    )
-    num_threads: int | None = option(
-        None,
-        "CPU threads for torch (per rank; default: its share)",
-        positive=True,
-        flag="--threads",
-    )
-    tensor_parallel_size: int = option(
-        1,
-        "split the model over N ranks (processes), on this host or --nnodes hosts",
-        positive=True,
-        metavar="N",
-        section=distributed.TENSOR_PARALLELISM,
-    )
-    pooling: str = option(
-        "last",
-        "how an embedding pools the final hidden states: the last token's (as decoder "
-        "embedding models such as Qwen3-Embedding) or the mean over the prompt; then "
-        "L2-normalized",
-        choices=POOLINGS,
-    )
-    speculate: str = option(
-        "ngram",
-        "speculative decoding: ngram proposes what followed the latest earlier match of a "
-        "request's last tokens in its own prompt and output, and the step's forward verifies "
-        "it (the output is the same, and distributed the same, as without); none decodes one "
-        "token a step; draft proposes --draft-model's greedy tokens",
-        choices=("none", "ngram", "draft"),
-    )
-    draft_model: str | None = option(
-        None,
-        "with --speculate draft: a small model (HF directory or GGUF file) with the target's "
-        "tokenizer; its KV takes a share of the KV budget, so that both pools hold the same "
-        "number of tokens",
-        metavar="PATH",
-    )
-    num_speculative_tokens: int = option(
-        5,
-        "the most proposed tokens a request verifies in a step; its own number follows how "
-        "many of its proposals were accepted lately, down to 0",
-        positive=True,
-        metavar="K",
-    )
-    limit_mm_per_prompt: int = option(
-        4,
-        "the most images one prompt may hold (a vision-language model's)",
-        minimum=0,
-        section=IMAGES,
-    )
-    max_image_pixels: int = option(
-        4096 * 4096,
-        "the most pixels (width x height) an image may have; checked on its header, before "
-        "its pixels are decoded",
-        positive=True,
-        section=IMAGES,
-    )
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-    def __post_init__(self) -> None:
-        quantizer(self.quantize, self.quantize_group_size)  # its own messages name the choices
-        check(self)
-        if (self.speculate == "draft") != (self.draft_model is not None):
-            raise ValueError("--speculate draft and --draft-model go together")
-        if self.draft_model is not None and self.tensor_parallel_size > 1:
-            raise ValueError("a draft model runs without tensor parallelism")
-
-    @classmethod
-    def of(cls, **options: Any) -> EngineConfig:
-        """From options by name, the engine's and the scheduler's alike."""
-        mine, scheduler = split(options, cls, SchedulerConfig)
-        return cls(**mine, scheduler=SchedulerConfig(**scheduler))
 
 
 class Engine:
@@ -953,4 +820,4 @@ class Engine:
         }
 
 
-__all__ = ["Engine", "EngineConfig", "EngineFailed", "RequestError", "QueueFull", "ScheduledChunk"]
+__all__ = ["Engine", "EngineFailed", "RequestError", "QueueFull", "ScheduledChunk"]

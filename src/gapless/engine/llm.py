@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.config import EngineConfig
+from gapless.engine.engine import Engine
 from gapless.engine.events import FinishedEvent, TokenEvent, TokenLogprob
 from gapless.engine.sampling_params import SamplingParams
 

@@ -15,8 +15,9 @@ import signal
 import time
 from pathlib import Path
 
+from gapless.engine.config import EngineConfig
 from gapless.engine.distributed import Launch
-from gapless.engine.engine import Engine, EngineConfig
+from gapless.engine.engine import Engine
 from gapless.engine.options import add_flags, options
 from gapless.engine.scheduler import SchedulerConfig
 from gapless.server.endpoint import ServerSettings
