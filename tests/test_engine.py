@@ -12,6 +12,7 @@ from helpers import greedy, prompt
 
 from gapless import Engine, EngineConfig, SamplingParams
 from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
+from gapless.engine.observability import stats
 from gapless.engine.runner import ModelRunner
 from gapless.engine.sampler import TokenCounts, apply_penalties
 
@@ -180,7 +181,7 @@ def test_prefix_cache_prefills_only_the_remainder(make_engine):
     progress = [e.processed for e in events if isinstance(e, ProgressEvent)]
     assert progress == [hit + 37]  # the uncached 37 tokens in one chunk
     assert tokens(events) == cold
-    assert engine.stats()["prefix_cache_hit_tokens_total"] == hit
+    assert stats(engine)["prefix_cache_hit_tokens_total"] == hit
 
 
 def test_progress_events_per_chunk(make_engine):

@@ -22,6 +22,7 @@ import httpx
 import pytest
 from server_fixture import MODEL, RunningServer, running_server
 
+from gapless.engine.observability import stats
 from gapless.server import live
 from gapless.server.app import ServerSettings
 
@@ -349,7 +350,7 @@ def test_the_page_chats_and_shows_the_server_live(
     finished = server.engine.metrics.requests_finished
     wait_until(
         lambda: finished.get("cancelled", 0) == cancelled + 1,
-        lambda: f"the stopped request was not cancelled: {finished}, {server.engine.stats()}",
+        lambda: f"the stopped request was not cancelled: {finished}, {stats(server.engine)}",
     )
 
     # Clear forgets the conversation; a short one for the picture.

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from gapless.engine import observability
 from gapless.engine.engine import Engine, EngineFailed
 from gapless.engine.events import Event, FinishedEvent
 from gapless.engine.sampling_params import SamplingParams
@@ -34,7 +35,7 @@ def engine_thread() -> ThreadPoolExecutor:
 
 
 class Summaries:
-    """Engine.summary() for live viewers, made on the engine thread while `sink` is set:
+    """observability.summary() for live viewers, made on the engine thread while `sink` is set:
     after a step, at most once per `interval` seconds (the state after a burst of steps goes
     out one interval later), and once per `heartbeat` seconds while nothing changes, so ages
     tick and the step rate falls to 0 when idle. Nobody watching costs one check a step."""
@@ -77,7 +78,7 @@ class Summaries:
             times.popleft()
         self._due, self._last = False, now
         try:
-            summary = self.engine.summary()
+            summary = observability.summary(self.engine)
             summary["steps_per_s"] = len(times)
             sink(summary)
         except Exception:  # a viewer's trouble must never stop the engine thread

@@ -12,7 +12,6 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,11 +42,6 @@ from gapless.model.tokenizer import Tokenizer
 from gapless.model.vision import VisionLanguageModel, is_vision_language, load_vision_language
 
 log = logging.getLogger("gapless.engine")
-
-
-# summary() shows a request by the start of its id: enough to tell requests apart and to find
-# one in the logs or in its response's id, not enough to cancel it by.
-SUMMARY_ID_CHARS = 8
 
 
 class QueueFull(RuntimeError):
@@ -756,68 +750,11 @@ class Engine:
             req.progress_callback(event)
         events.append(event)
 
-    # -- observability ------------------------------------------------------------------------
-
-    def stats(self) -> dict[str, int]:
-        running = self.scheduler.running
-        return {
-            "requests_running": len(running),
-            "requests_waiting": len(self.scheduler.waiting) + len(self._incoming),
-            "requests_prefilling": sum(r.state is RequestState.PREFILLING for r in running),
-            "kv_blocks_used": self.pool.num_used,
-            "kv_blocks_cached": self.pool.num_cached,
-            "kv_blocks_free": self.pool.num_free,
-            "kv_blocks_total": self.pool.num_blocks,
-            "prefix_cache_hit_tokens_total": self.scheduler.prefix_hit_tokens,
-            "prefix_cache_queried_tokens_total": self.scheduler.prefix_queried_tokens,
-            "preemptions_total": self.scheduler.preemptions,
-            "speculative_proposed_tokens_total": self.metrics.speculative_proposed_tokens,
-            "speculative_accepted_tokens_total": self.metrics.speculative_accepted_tokens,
-        }
-
-    def summary(self, max_rows: int = 100) -> dict[str, Any]:
-        """The engine at a glance, for the live view (server/live.py): each live sequence's
-        short id, state, counts and timings (running ones first, then the queue, at most
-        max_rows), the last step's token counts and the KV blocks in use. Counts only: never
-        a prompt's or an output's text or tokens. Call it on the engine thread, between steps.
-        """
-        now = time.monotonic()
+    def queued(self) -> list[Request]:
+        """The requests added since the last step began, not yet the scheduler's
+        (thread-safe)."""
         with self._lock:
-            incoming = list(self._incoming)
-        running, waiting = self.scheduler.running, self.scheduler.waiting
-        rows = []
-        for req in [*running, *waiting, *incoming][:max_rows]:
-            prompt = len(req.prompt_ids)
-            first = req.first_token_time
-            rows.append(
-                {
-                    "id": req.request_id[:SUMMARY_ID_CHARS],
-                    "index": req.index,
-                    "state": req.state.value,
-                    "prompt_tokens": prompt,
-                    "computed": min(req.num_computed, prompt),
-                    "generated": len(req.output_ids),
-                    "age_s": round(now - req.arrival_time, 3),
-                    "ttft_s": None if first is None else round(first - req.arrival_time, 3),
-                }
-            )
-        decode, prefill, seconds = self.last_step
-        return {
-            "steps": self.num_steps,
-            "last_step": {
-                "decode_tokens": decode,
-                "prefill_tokens": prefill,
-                "ms": round(seconds * 1000, 2),
-            },
-            "kv_blocks": {
-                "used": self.pool.num_used,
-                "cached": self.pool.num_cached,
-                "total": self.pool.num_blocks,
-            },
-            "running": len(running),
-            "waiting": len(waiting) + len(incoming),
-            "requests": rows,
-        }
+            return list(self._incoming)
 
 
 __all__ = ["Engine", "EngineFailed", "RequestError", "QueueFull", "ScheduledChunk"]

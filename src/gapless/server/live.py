@@ -1,7 +1,7 @@
 """The page at `/` and its feed, `GET /v1/live`: the engine's step summaries as Server-Sent
 Events, to every viewer, bounded.
 
-The engine thread makes a summary (Engine.summary(): ids, states, counts, timings; never
+The engine thread makes a summary (observability.summary(): ids, states, counts, timings; never
 text) at most every 100 ms while someone watches, and once a second when nothing changes
 (async_engine.Summaries); it is encoded once, there, and put on every viewer's queue here.
 A viewer's queue holds QUEUE_SIZE summaries: one that falls that far behind (it reads too

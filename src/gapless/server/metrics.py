@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gapless.engine.engine import Engine
+from gapless.engine.observability import stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "gapless_"
@@ -33,7 +34,7 @@ def render_metrics(engine: Engine) -> str:
     read without a lock, so a scrape may mix two adjacent steps, which is fine for monitoring.
     """
     lines: list[str] = []
-    for key, value in engine.stats().items():
+    for key, value in stats(engine).items():
         # Anything the engine adds to stats() shows up without a change here.
         kind = "counter" if key.endswith("_total") else "gauge"
         _scalar(lines, PREFIX + key, kind, _HELP.get(key, key.replace("_", " ") + "."), value)
