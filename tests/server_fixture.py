@@ -21,7 +21,8 @@ import httpx
 
 from gapless.engine.config import EngineConfig
 from gapless.engine.engine import Engine
-from gapless.server.app import GaplessServer, ServerSettings
+from gapless.server.app import GaplessServer
+from gapless.server.settings import ServerSettings
 
 MODEL = "tiny-llama"
 

@@ -22,7 +22,7 @@ from test_model import hf_model
 from gapless import LLM, Engine, EngineConfig
 from gapless.engine.admission import RequestError
 from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
-from gapless.server.app import ServerSettings
+from gapless.server.settings import ServerSettings
 
 CONTEXT = 64  # the server's: inputs beyond it are cheap to send
 CHUNK = 8

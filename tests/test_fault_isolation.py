@@ -18,7 +18,7 @@ from server_fixture import MODEL, RunningServer, running_server
 from gapless import Engine, EngineConfig, SamplingParams
 from gapless.engine import engine as engine_module
 from gapless.engine.events import TokenEvent
-from gapless.server.app import ServerSettings
+from gapless.server.settings import ServerSettings
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

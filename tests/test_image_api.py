@@ -31,7 +31,7 @@ from gapless.engine.config import EngineConfig
 from gapless.engine.engine import Engine
 from gapless.engine.events import TokenEvent
 from gapless.engine.sampling_params import SamplingParams
-from gapless.server.app import ServerSettings
+from gapless.server.settings import ServerSettings
 
 # The test tokenizer's `<|pad|>`, which no text prompt holds: the checkpoint's image token,
 # so that the chat template can write it.

@@ -24,7 +24,7 @@ from server_fixture import MODEL, RunningServer, running_server
 
 from gapless.engine.observability import stats
 from gapless.server import live
-from gapless.server.app import ServerSettings
+from gapless.server.settings import ServerSettings
 
 KEY = "live-page-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

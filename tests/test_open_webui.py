@@ -37,7 +37,7 @@ import pytest
 from server_fixture import MODEL, RunningServer, SSEReader, running_server
 from test_tools_api import LLAMA3_TEMPLATE, with_template
 
-from gapless.server.app import ServerSettings
+from gapless.server.settings import ServerSettings
 
 KEY = "sk-open-webui"
 OLLAMA_NAME = f"{MODEL}:latest"

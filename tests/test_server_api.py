@@ -15,8 +15,9 @@ import pytest
 import torch
 from server_fixture import MODEL, RunningServer, SSEReader, running_server, stream
 
-from gapless.server.app import ServerSettings, max_json_values
-from gapless.server.endpoint import ndjson, sse
+from gapless.server.app import max_json_values
+from gapless.server.settings import ServerSettings
+from gapless.server.streaming import ndjson, sse
 
 CHUNK = 16
 MAX_MODEL_LEN = 2048

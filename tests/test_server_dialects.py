@@ -19,7 +19,7 @@ import openai
 import pytest
 from server_fixture import MODEL, RunningServer, running_server
 
-from gapless.server.app import ServerSettings
+from gapless.server.settings import ServerSettings
 
 MAX_MODEL_LEN = 2048
 KEY = "sk-dialects"

@@ -12,7 +12,7 @@ import openai
 import pytest
 from server_fixture import MODEL, RunningServer, SSEReader, running_server
 
-from gapless.server.app import ServerSettings
+from gapless.server.settings import ServerSettings
 
 KEY = "sk-test-0123456789"
 

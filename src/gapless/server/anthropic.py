@@ -21,15 +21,7 @@ from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.structured import GrammarCompiler
 from gapless.server import protocol, tool_calls
-from gapless.server.endpoint import (
-    Renderer,
-    ServerState,
-    generate,
-    parse_off_loop,
-    progress_comment,
-    read_json,
-    sse,
-)
+from gapless.server.endpoint import ServerState, generate, parse_off_loop, read_json
 from gapless.server.images import (
     ImageReader,
     MessageContent,
@@ -38,6 +30,7 @@ from gapless.server.images import (
     decode_base64,
 )
 from gapless.server.protocol import APIError, bool_field, int_field, invalid
+from gapless.server.streaming import Renderer, progress_comment, sse
 from gapless.server.tool_calls import ToolCall, ToolRequest
 
 # Anthropic's error types where ours differ in name.

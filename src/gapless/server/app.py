@@ -37,7 +37,6 @@ from gapless.server import (
     tokenization,
 )
 from gapless.server.endpoint import (
-    ServerSettings,
     ServerState,
     cancel_endpoint,
     endpoint,
@@ -46,8 +45,9 @@ from gapless.server.endpoint import (
 )
 from gapless.server.metrics import CONTENT_TYPE, render_metrics
 from gapless.server.protocol import APIError
+from gapless.server.settings import ServerSettings
 
-__all__ = ["GaplessServer", "ServerSettings", "build_app", "max_json_values"]
+__all__ = ["GaplessServer", "build_app", "max_json_values"]
 
 log = logging.getLogger("gapless.server")
 

@@ -20,7 +20,7 @@ from gapless.engine.distributed import Launch
 from gapless.engine.engine import Engine
 from gapless.engine.options import add_flags, options
 from gapless.engine.scheduler import SchedulerConfig
-from gapless.server.endpoint import ServerSettings
+from gapless.server.settings import ServerSettings
 
 log = logging.getLogger("gapless.server")
 

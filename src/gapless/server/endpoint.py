@@ -19,7 +19,6 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -30,23 +29,18 @@ from starlette.types import Receive, Scope, Send
 from gapless.engine.admission import RequestError
 from gapless.engine.async_engine import AsyncEngine
 from gapless.engine.engine import Engine, EngineFailed, QueueFull
-from gapless.engine.events import Event, FinishedEvent, ProgressEvent, TokenEvent
-from gapless.engine.options import check, option
+from gapless.engine.events import Event
 from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
 from gapless.model.describe import ModelDescription, describe
 from gapless.server import protocol
-from gapless.server.images import ImageReader
 from gapless.server.protocol import APIError
 from gapless.server.response_store import ResponseStore
-from gapless.server.tool_calls import PARSERS
+from gapless.server.settings import ServerSettings
+from gapless.server.streaming import Renderer, json_body, stream_body
 
 log = logging.getLogger("gapless.server")
 
 RETRY_AFTER_S = "1"
-
-# --task: what the server serves. `generate`: every endpoint, the embedding ones included;
-# `embed`: the embedding endpoints only (the others answer 400).
-TASKS = ("generate", "embed")
 
 # An APIError as one dialect's JSON error body.
 ErrorBody = Callable[[APIError], dict[str, Any]]
@@ -54,77 +48,6 @@ ErrorBody = Callable[[APIError], dict[str, Any]]
 # A request's names for the engine's fields where they differ (prompt -> messages, max_tokens
 # -> num_predict, ...), so that an error names the field the client sent.
 FieldNames = Mapping[str, str]
-
-
-@dataclass
-class ServerSettings:
-    """The HTTP server's options (engine/options.py: `gapless serve` builds its flags from
-    these fields)."""
-
-    served_model_name: str = option(
-        None, "the model name clients use (default: the directory's name or the file's stem)"
-    )
-    api_key: str | None = option(
-        None,
-        "require `Authorization: Bearer KEY` or `x-api-key: KEY` on every API endpoint "
-        "(default: $GAPLESS_API_KEY if set)",
-        metavar="KEY",
-    )
-    max_body_mb: float = option(16.0, "request body size limit in MiB", positive=True)
-    shutdown_grace_s: float = option(
-        30.0,
-        "on SIGTERM, time in-flight requests get to finish before they are cancelled",
-        minimum=0,
-        flag="--shutdown-grace",
-        metavar="SECONDS",
-    )
-    tool_call_parser: str | None = option(
-        None,
-        "how the model writes tool calls (default: recognised from its chat template)",
-        choices=PARSERS,
-    )
-    # The Responses API's stored responses (response_store.py); the least recently used are
-    # evicted first.
-    response_store_entries: int = option(
-        1000, "stored responses (Responses API) kept at most", positive=True
-    )
-    response_store_bytes: int = option(
-        64 * 2**20, "bytes of JSON the stored responses take at most", positive=True
-    )
-    task: str = option(
-        "generate",
-        "generate: every endpoint, embeddings included; embed: the embedding endpoints only",
-        choices=TASKS,
-    )
-    allow_image_urls: bool = option(
-        False,
-        "fetch the http(s) image URLs that requests name (off: images come as data: URLs or "
-        "base64); the server then fetches what a client names, so turn it on only for "
-        "trusted clients",
-    )
-    image_url_max_mb: float = option(
-        20.0, "the largest image fetched from a URL, in MiB", positive=True
-    )
-    image_url_timeout_s: float = option(
-        10.0,
-        "the longest an image URL's fetch may take, whole",
-        positive=True,
-        flag="--image-url-timeout",
-        metavar="SECONDS",
-    )
-
-    def __post_init__(self) -> None:
-        check(self)
-
-    @property
-    def max_body_bytes(self) -> int:
-        return int(self.max_body_mb * 2**20)
-
-    @property
-    def image_reader(self) -> ImageReader:
-        return ImageReader(
-            self.allow_image_urls, int(self.image_url_max_mb * 2**20), self.image_url_timeout_s
-        )
 
 
 class ServerState:
@@ -162,122 +85,6 @@ def error_response(error: APIError, error_body: ErrorBody) -> JSONResponse:
     return JSONResponse(error_body(error), error.status, headers=error.headers)
 
 
-# Characters that str.splitlines, and so many clients' line readers (httpx's iter_lines among
-# them), take for line ends, which JSON leaves raw: a generated one would cut a streamed line.
-_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def stream_json(obj: Any) -> str:
-    """obj as JSON on one line, whatever its text holds (UTF-8 otherwise, not \\u escapes)."""
-    return json.dumps(obj, ensure_ascii=False).translate(_LINE_ENDS)
-
-
-def sse(obj: dict[str, Any] | str, event: str | None = None) -> bytes:
-    """One Server-Sent Event; `event` names its type (Anthropic's streams name every event)."""
-    text = obj if isinstance(obj, str) else stream_json(obj)
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {text}\n\n".encode()
-
-
-def progress_comment(event: ProgressEvent) -> bytes:
-    """Prefill progress as an SSE comment, which SSE clients skip."""
-    info = json.dumps({"processed": event.processed, "total": event.total})
-    return f": prefill_progress {info}\n\n".encode()
-
-
-def ndjson(obj: dict[str, Any]) -> bytes:
-    return stream_json(obj).encode() + b"\n"
-
-
-# -- rendering ------------------------------------------------------------------------------
-
-
-class Renderer:
-    """One request's engine events in one dialect: the pieces of its stream, or one JSON
-    object once it has finished."""
-
-    stream_media_type = "text/event-stream; charset=utf-8"
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.finishes: list[FinishedEvent] = []  # one per choice of a request for n
-
-    def error_body(self, error: APIError) -> dict[str, Any]:
-        raise NotImplementedError
-
-    # Streaming.
-    def opening(self) -> list[bytes]:
-        return []
-
-    def progress(self, event: ProgressEvent) -> list[bytes]:
-        return []
-
-    def token(self, event: TokenEvent) -> list[bytes]:
-        raise NotImplementedError
-
-    def finished(self, event: FinishedEvent) -> list[bytes]:
-        """The stream's last pieces after a successful finish."""
-        raise NotImplementedError
-
-    def failed(self, error: APIError) -> list[bytes]:
-        """The stream's last pieces when the request failed after the stream began."""
-        raise NotImplementedError
-
-    # Not streaming.
-    def absorb(self, event: TokenEvent) -> None:
-        self.text.append(event.text)
-
-    def absorb_finished(self, event: FinishedEvent) -> None:
-        self.finishes.append(event)
-
-    def response(self, finished: FinishedEvent) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-async def _stream_body(
-    renderer: Renderer, events: AsyncIterator[Event], request_id: str
-) -> AsyncIterator[bytes]:
-    try:
-        for piece in renderer.opening():
-            yield piece
-        async for event in events:
-            if isinstance(event, ProgressEvent):
-                pieces = renderer.progress(event)
-            elif isinstance(event, TokenEvent):
-                pieces = renderer.token(event)
-            elif event.finish_reason == "error":
-                # The whole request fails: closing the events cancels its other choices.
-                error = protocol.server_error(event.error or "the request failed in the engine")
-                for piece in renderer.failed(error):
-                    yield piece
-                return
-            else:
-                pieces = renderer.finished(event)
-            for piece in pieces:
-                yield piece
-    except Exception as e:  # this request fails alone; its stream still ends properly
-        log.exception("request %s failed", request_id)
-        for piece in renderer.failed(protocol.server_error(f"{type(e).__name__}: {e}")):
-            yield piece
-    finally:
-        await events.aclose()
-
-
-async def _json_body(renderer: Renderer, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
-    """The response once every choice has finished (the events end after the last)."""
-    try:
-        async for event in events:
-            if isinstance(event, TokenEvent):
-                renderer.absorb(event)
-            elif isinstance(event, FinishedEvent):
-                if event.finish_reason == "error":
-                    raise protocol.server_error(event.error or "the request failed in the engine")
-                renderer.absorb_finished(event)
-    finally:
-        await events.aclose()
-    yield json.dumps(renderer.response(renderer.finishes[-1]), ensure_ascii=False).encode()
-
-
 async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -307,7 +114,7 @@ class EngineResponse:
         self.renderer = renderer
         self.stream = stream
         self.body = (
-            _stream_body(renderer, events, request_id) if stream else _json_body(renderer, events)
+            stream_body(renderer, events, request_id) if stream else json_body(renderer, events)
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -34,11 +34,9 @@ from gapless.server import protocol, tool_calls
 from gapless.server.endpoint import (
     EmbeddingRenderer,
     FieldNames,
-    Renderer,
     ServerState,
     embed,
     generate,
-    ndjson,
     read_json,
 )
 from gapless.server.images import (
@@ -51,6 +49,7 @@ from gapless.server.images import (
 from gapless.server.openai_embeddings import BATCH_CONTEXTS, MAX_INPUTS, check_dimensions
 from gapless.server.openai_embeddings import check_prompts as check_embedding_prompts
 from gapless.server.protocol import APIError, bool_field, invalid, str_field
+from gapless.server.streaming import Renderer, ndjson
 from gapless.server.structured_output import ollama_format_grammar
 from gapless.server.tool_calls import ToolCall, ToolRequest
 

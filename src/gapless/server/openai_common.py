@@ -18,7 +18,7 @@ from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.structured import GrammarCompiler
 from gapless.server import protocol
-from gapless.server.endpoint import Renderer, ServerState, progress_comment, sse
+from gapless.server.endpoint import ServerState
 from gapless.server.protocol import (
     APIError,
     bool_field,
@@ -27,6 +27,7 @@ from gapless.server.protocol import (
     invalid,
     stop_field,
 )
+from gapless.server.streaming import Renderer, progress_comment, sse
 from gapless.server.structured_output import output_grammar
 from gapless.server.tool_calls import ToolCallStream
 

@@ -25,14 +25,7 @@ from gapless.engine.events import FinishedEvent, ProgressEvent, TokenEvent
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.structured import GrammarCompiler
 from gapless.server import protocol, tool_calls
-from gapless.server.endpoint import (
-    Renderer,
-    ServerState,
-    generate,
-    progress_comment,
-    read_json,
-    sse,
-)
+from gapless.server.endpoint import ServerState, generate, read_json
 from gapless.server.openai_chat import chat_logprobs
 from gapless.server.openai_common import check_model, error_body
 from gapless.server.protocol import (
@@ -45,6 +38,7 @@ from gapless.server.protocol import (
     str_field,
 )
 from gapless.server.response_store import StoredResponse
+from gapless.server.streaming import Renderer, progress_comment, sse
 from gapless.server.structured_output import text_format_grammar
 from gapless.server.tool_calls import ToolCall, ToolRequest
 

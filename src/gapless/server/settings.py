@@ -1,0 +1,85 @@
+"""The HTTP server's options (`gapless serve` builds its flags from these fields, as from the
+engine's: engine/options.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gapless.engine.options import check, option
+from gapless.server.images import ImageReader
+from gapless.server.tool_calls import PARSERS
+
+# --task: what the server serves. `generate`: every endpoint, the embedding ones included;
+# `embed`: the embedding endpoints only (the others answer 400).
+TASKS = ("generate", "embed")
+
+
+@dataclass
+class ServerSettings:
+    """The HTTP server's options (engine/options.py: `gapless serve` builds its flags from
+    these fields)."""
+
+    served_model_name: str = option(
+        None, "the model name clients use (default: the directory's name or the file's stem)"
+    )
+    api_key: str | None = option(
+        None,
+        "require `Authorization: Bearer KEY` or `x-api-key: KEY` on every API endpoint "
+        "(default: $GAPLESS_API_KEY if set)",
+        metavar="KEY",
+    )
+    max_body_mb: float = option(16.0, "request body size limit in MiB", positive=True)
+    shutdown_grace_s: float = option(
+        30.0,
+        "on SIGTERM, time in-flight requests get to finish before they are cancelled",
+        minimum=0,
+        flag="--shutdown-grace",
+        metavar="SECONDS",
+    )
+    tool_call_parser: str | None = option(
+        None,
+        "how the model writes tool calls (default: recognised from its chat template)",
+        choices=PARSERS,
+    )
+    # The Responses API's stored responses (response_store.py); the least recently used are
+    # evicted first.
+    response_store_entries: int = option(
+        1000, "stored responses (Responses API) kept at most", positive=True
+    )
+    response_store_bytes: int = option(
+        64 * 2**20, "bytes of JSON the stored responses take at most", positive=True
+    )
+    task: str = option(
+        "generate",
+        "generate: every endpoint, embeddings included; embed: the embedding endpoints only",
+        choices=TASKS,
+    )
+    allow_image_urls: bool = option(
+        False,
+        "fetch the http(s) image URLs that requests name (off: images come as data: URLs or "
+        "base64); the server then fetches what a client names, so turn it on only for "
+        "trusted clients",
+    )
+    image_url_max_mb: float = option(
+        20.0, "the largest image fetched from a URL, in MiB", positive=True
+    )
+    image_url_timeout_s: float = option(
+        10.0,
+        "the longest an image URL's fetch may take, whole",
+        positive=True,
+        flag="--image-url-timeout",
+        metavar="SECONDS",
+    )
+
+    def __post_init__(self) -> None:
+        check(self)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 2**20)
+
+    @property
+    def image_reader(self) -> ImageReader:
+        return ImageReader(
+            self.allow_image_urls, int(self.image_url_max_mb * 2**20), self.image_url_timeout_s
+        )
