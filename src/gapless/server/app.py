@@ -1,7 +1,7 @@
 """The HTTP server: every API dialect's routes over one AsyncEngine, and graceful shutdown.
 
-Each API dialect is one module (OpenAI's, one per endpoint) listing its ROUTES, with the
-dialect's error shape; what their endpoints share is endpoint.py.
+Each API dialect is one module (OpenAI's, one per endpoint) listing its ROUTES, and one
+Dialect record in DIALECTS; what their endpoints share is endpoint.py.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import socket
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -37,6 +38,8 @@ from gapless.server import (
     tokenization,
 )
 from gapless.server.endpoint import (
+    ErrorBody,
+    Handler,
     ServerState,
     cancel_endpoint,
     endpoint,
@@ -54,23 +57,20 @@ log = logging.getLogger("gapless.server")
 # After the engine failed, the server answers 503 this long before it exits.
 FAILED_LINGER_S = 2.0
 
-# A live request of any dialect is cancelled by its id, or the id its response carries.
-CANCEL_ROUTE = (
-    "POST",
-    "/v1/cancel/{request_id}",
-    cancel_endpoint(
-        (
-            openai_chat.ID_PREFIX,
-            openai_completions.ID_PREFIX,
-            responses.ID_PREFIX,
-            anthropic.ID_PREFIX,
-        )
-    ),
-)
 
-# Each API dialect's routes, with its error_body for every error on them.
+@dataclass(frozen=True)
+class Dialect:
+    """An API dialect: its routes, the shape of its errors on them (and on a wrong method on
+    its paths), and the prefixes of the ids its responses carry, by which a live request is
+    cancelled too. Adding one is its module and a line in DIALECTS."""
+
+    routes: list[tuple[str, str, Handler]]
+    error_body: ErrorBody
+    id_prefixes: tuple[str, ...] = ()
+
+
 DIALECTS = (
-    (
+    Dialect(
         [
             *openai_common.ROUTES,
             *openai_chat.ROUTES,
@@ -78,12 +78,19 @@ DIALECTS = (
             *openai_embeddings.ROUTES,
             *responses.ROUTES,
             *tokenization.ROUTES,
-            CANCEL_ROUTE,
         ],
         openai_common.error_body,
+        (openai_chat.ID_PREFIX, openai_completions.ID_PREFIX, responses.ID_PREFIX),
     ),
-    (anthropic.ROUTES, anthropic.error_body),
-    (ollama.ROUTES, ollama.error_body),
+    Dialect(anthropic.ROUTES, anthropic.error_body, (anthropic.ID_PREFIX,)),
+    Dialect(ollama.ROUTES, ollama.error_body),
+)
+
+# A live request of any dialect is cancelled by its id, or the id its response carries.
+CANCEL_ROUTE = (
+    "POST",
+    "/v1/cancel/{request_id}",
+    cancel_endpoint(prefix for dialect in DIALECTS for prefix in dialect.id_prefixes),
 )
 
 
@@ -112,7 +119,8 @@ def build_app(state: ServerState) -> Starlette:
     ]
     # A wrong method on a dialect's path gets that dialect's error shape; anything else, OpenAI's.
     error_bodies = {}
-    for dialect_routes, error_body in DIALECTS:
+    served = [(dialect.routes, dialect.error_body) for dialect in DIALECTS]
+    for dialect_routes, error_body in [*served, ([CANCEL_ROUTE], openai_common.error_body)]:
         for method, path, handler in dialect_routes:
             routes.append(Route(path, endpoint(state, handler, error_body), methods=[method]))
             error_bodies[path] = error_body
