@@ -291,12 +291,17 @@ class Admission:
         vocabulary."""
         _check_ids(ids, self.token_vocab_size, param)
 
-    def output_budget(self, requested: int | None, prompt_len: int) -> int:
+    def output_budget(self, requested: int | None, prompt_len: int, least: int = 0) -> int:
         """max_tokens for a checked prompt of prompt_len tokens: `requested` if the context has
-        room for it, all the room there is when None. (SamplingParams refuses a negative one.)"""
+        room for it, all the room there is when None. `least`: the dialect's smallest (1 for
+        Anthropic's and the Responses API's; else SamplingParams refuses a negative one)."""
         room = self.max_model_len - prompt_len
         if requested is None:
             return room
+        if least and requested < least:
+            raise RequestError(
+                f"max_tokens must be at least {least}, got {requested}", "max_tokens"
+            )
         if requested > room:
             raise RequestError(
                 f"max_tokens can be at most {room}: this model's maximum context length is "

@@ -197,8 +197,6 @@ def parse_messages(
     requested = int_field(body, "max_tokens")
     if requested is None:
         raise invalid("max_tokens is required", "max_tokens")
-    if requested < 1:
-        raise invalid(f"max_tokens must be at least 1, got {requested}", "max_tokens")
     tools = tool_request(body)
     ids, images = prompt_ids_of(body, admission, reader, tools)
     prompt_ids = admission.check_prompt(ids, images=images)
@@ -208,7 +206,7 @@ def parse_messages(
         ints={"top_k": "top_k"},
     )
     fields.update(
-        max_tokens=admission.output_budget(requested, len(prompt_ids)),
+        max_tokens=admission.output_budget(requested, len(prompt_ids), least=1),
         stop=protocol.stop_field(body, "stop_sequences"),
         speculate=protocol.bool_field(body, "speculate") is not False,
     )

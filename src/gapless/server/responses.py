@@ -231,12 +231,10 @@ def parse_request(
     prompt_ids = admission.check_prompt(admission.encode_chat(messages, tools=offered))
 
     limit = int_field(body, "max_output_tokens")
-    if limit is not None and limit < 1:
-        raise invalid(f"max_output_tokens must be at least 1, got {limit}", "max_output_tokens")
     fields = protocol.number_fields(
         body, floats={"temperature": "temperature", "top_p": "top_p"}, ints={}
     )
-    fields["max_tokens"] = admission.output_budget(limit, len(prompt_ids))
+    fields["max_tokens"] = admission.output_budget(limit, len(prompt_ids), least=1)
     fields["speculate"] = protocol.bool_field(body, "speculate") is not False
     text = dict_field(body, "text") or {}
     text_format = text.get("format") or {"type": "text"}
