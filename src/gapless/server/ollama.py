@@ -94,8 +94,7 @@ def _model_name(state: ServerState) -> str:
 def _check_model(state: ServerState, body: dict[str, Any]) -> str:
     """The model named as the client named it; Ollama names carry a tag, `:latest` if none."""
     model = str_field(body, "model")
-    served = state.settings.served_model_name
-    if model is None or model in (served, _model_name(state)):
+    if model is None or protocol.serves(model, state.settings.served_model_name):
         return model or _model_name(state)
     raise APIError(404, f"model {model!r} not found; this server serves {_model_name(state)!r}")
 

@@ -200,12 +200,17 @@ def text_content(content: Any, param: str) -> str | None:
     raise invalid("content must be a string or a list of content parts", param)
 
 
+def serves(model: str, served: str) -> bool:
+    """Whether a request's `model` names the served model: its name, or its Ollama name
+    `<name>:latest` (which Ollama's clients, Open WebUI's Ollama connection among them, send
+    to every dialect)."""
+    return model in (served, f"{served}:latest")
+
+
 def check_model(model: Any, served: str) -> None:
-    """A request's `model` must name the served model, or its Ollama name `<name>:latest`
-    (which Ollama's clients, Open WebUI's Ollama connection among them, send to the OpenAI
-    endpoints too); a missing one is allowed: one model is served, so there is nothing to
-    choose."""
-    if model is None or model in (served, f"{served}:latest"):
+    """A request's `model` must name the served model (serves); a missing one is allowed:
+    one model is served, so there is nothing to choose."""
+    if model is None or serves(model, served):
         return
     if not isinstance(model, str):
         raise invalid("model must be a string", "model")
