@@ -135,7 +135,7 @@ class Engine:
             encode_cost,
             None if self.draft is None else self.draft.unseen,
         )
-        self.eos_ids = set(tokenizer.eos_token_ids) | set(mcfg.eos_token_ids)
+        self.eos_ids = tokenizer.eos_token_ids  # read once, with the tokenizer
         self.grammars = GrammarCompiler(tokenizer, mcfg.vocab_size, sorted(self.eos_ids))
         self.metrics = EngineMetrics()
         self.num_steps = 0

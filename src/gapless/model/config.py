@@ -39,7 +39,6 @@ class ModelConfig:
     # Per layer: attention window in tokens, or None for full attention.
     layer_windows: tuple[int | None, ...]
     torch_dtype: str | None
-    eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
 
     @property
@@ -88,7 +87,6 @@ def base_fields(raw: dict, layer_windows: tuple[int | None, ...], **rope: Any) -
         settings = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         theta, rope_type, scaling = parse_rope(settings, raw.get("rope_theta", 10000.0))
         rope = {"rope_theta": theta, "rope_type": rope_type, "rope_scaling": scaling}
-    eos = raw.get("eos_token_id")
     return {
         "architecture": raw["architectures"][0],
         "vocab_size": raw["vocab_size"],
@@ -103,7 +101,6 @@ def base_fields(raw: dict, layer_windows: tuple[int | None, ...], **rope: Any) -
         "tie_word_embeddings": raw.get("tie_word_embeddings", False),
         "layer_windows": layer_windows,
         "torch_dtype": raw.get("torch_dtype") or raw.get("dtype"),
-        "eos_token_ids": tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
         "bos_token_id": raw.get("bos_token_id"),
         **rope,
     }

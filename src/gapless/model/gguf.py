@@ -152,9 +152,6 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         )
     tokens = reader.get_field("tokenizer.ggml.tokens")
     window = meta("attention.sliding_window")
-    eos_ids = [
-        field_value(reader, f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id")
-    ]
     # The same keys a config.json has, so that the family's parser reads both; these are the
     # ones every llama.cpp file writes alike, and the family adds its own.
     raw = {
@@ -185,7 +182,6 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": "blk.0.ffn_gate.bias" in names,
-        "eos_token_id": [i for i in eos_ids if i is not None],
         "bos_token_id": field_value(reader, "tokenizer.ggml.bos_token_id"),
     }
     return ModelConfig.from_dict(family.gguf_config(raw, meta))

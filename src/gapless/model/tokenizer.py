@@ -178,6 +178,8 @@ class Tokenizer:
         self.eos_token: str | None = self.special_token_strings.get("eos_token")
         self.bos_token_id: int | None = self._id_of(self.bos_token)
         eos_id = self._id_of(self.eos_token)
+        # The one record of the tokens that end generation (the engine reads it): this, config.json's
+        # and generation_config.json's for a checkpoint; a GGUF file's eos and eot.
         self.eos_token_ids: set[int] = set(eos_token_ids) | _id_set(eos_id)
 
         if "add_bos_token" in config or "add_eos_token" in config:
