@@ -5,7 +5,7 @@ as a GGUF file of one quantized type, or mixed as llama.cpp's Q4_K_M files mix t
 
 Q4_0 and Q8_0 are the checkpoint's weights quantized by the `gguf` package. The `gguf` package
 cannot quantize K-quants, so Q4_K_M's K-quant tensors are random valid blocks
-(tests/gguf_files.py): the file's speed and memory are a real Q4_K_M file's, its tokens are
+(gapless/bench/gguf_files.py): the file's speed and memory are a real Q4_K_M file's, its tokens are
 noise. Each tensor gets the type llama-quantize's Q4_K_M rule gives it: Q4_K; Q6_K for attn_v
 and ffn_down in the layers it gives more bits; Q6_K token embeddings; and, where a row is not
 a whole number of 256-value super-blocks (the 0.5B shape's 896 columns), Q5_0 for Q4_K and
@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from gguf import GGMLQuantizationType as QType
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from gguf_files import write_gguf  # noqa: E402
+from gapless.bench.gguf_files import write_gguf
 
 FALLBACK = {QType.Q4_K: QType.Q5_0, QType.Q6_K: QType.Q8_0}
 

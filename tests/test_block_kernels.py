@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf_files import random_blocks
 from helpers import require_our_kernels
 
+from gapless.bench.gguf_files import random_blocks
 from gapless.kernels import blocks, probe, step_ops
 from gapless.kernels.extensions import GGUF_BLOCKS
 from gapless.kernels.linear import BlockLinear

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf_files import write_gguf
 from test_model import (
     Seq,
     check_chunked_prefill_equals_one_call,
@@ -24,6 +23,7 @@ from test_model import (
 from test_tensor_parallel import sharded_runner, tp2  # noqa: F401 - a fixture
 
 from gapless import LLM, SamplingParams
+from gapless.bench.gguf_files import write_gguf
 from gapless.engine.runner import ModelRunner
 from gapless.model import families
 from gapless.model.gguf import load_gguf

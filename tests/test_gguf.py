@@ -9,11 +9,11 @@ import tokenizers
 import torch
 from checkpoints import UNICODE_SAMPLE
 from gguf import GGMLQuantizationType as QType
-from gguf_files import write_gguf
 from helpers import require_our_kernels
 from test_model import ModelRunner, Seq, prompt, run_chunks
 from test_quantize import mean_kl, rel_err
 
+from gapless.bench.gguf_files import write_gguf
 from gapless.kernels.linear import BlockLinear, StackedLinear
 from gapless.kernels.quant import BlockQuant
 from gapless.model.gguf import dequantize, load_gguf, unpack

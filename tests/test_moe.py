@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf_files import write_gguf
 from helpers import require_our_kernels
 from safetensors.numpy import load_file, save_file
 from test_model import (
@@ -32,6 +31,7 @@ from test_quantize import mean_kl
 from test_tensor_parallel import sharded_runner, tp2  # noqa: F401 - a fixture
 
 from gapless import LLM, SamplingParams
+from gapless.bench.gguf_files import write_gguf
 from gapless.engine.runner import ModelRunner
 from gapless.kernels.linear import BlockLinear, PackedLinear, PlainLinear
 from gapless.kernels.moe import Experts

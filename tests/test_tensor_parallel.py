@@ -22,7 +22,6 @@ import httpx
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from gguf_files import write_gguf
 from helpers import require_our_kernels
 from server_fixture import SSEReader
 from test_model import (
@@ -35,6 +34,7 @@ from test_model import (
 from test_server_cli import ServerProcess
 
 from gapless import LLM, SamplingParams
+from gapless.bench.gguf_files import write_gguf
 from gapless.engine import distributed
 from gapless.engine.runner import ModelRunner
 from gapless.kernels.quant import BlockQuant

@@ -1,6 +1,8 @@
-"""Tiny GGUF files written with the `gguf` package's writer, as llama.cpp's converter writes them.
+"""GGUF files written with the `gguf` package's writer, as llama.cpp's converter writes them:
+the tests' tiny files, and the bench model's (scripts/make_bench_gguf.py).
 
-`write_gguf` turns a tiny Hugging Face checkpoint (tests/checkpoints.py) into a GGUF file:
+`write_gguf` turns a Hugging Face checkpoint (the tests' tiny ones: tests/checkpoints.py) into a
+GGUF file:
 metadata from config.json, the byte-level BPE tokenizer from tokenizer.json, tensors renamed,
 the q/k rows of `llama` files permuted for llama.cpp's rope, and 2-D weights quantized.
 
