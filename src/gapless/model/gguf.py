@@ -47,7 +47,6 @@ INT4_TYPES = (QType.Q4_0, QType.Q4_1)  # without our block kernels, run on torch
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"experts\.\d+\.")
 
 
 def gguf_name(hf_name: str, names: dict[str, str] = common.GGUF_NAMES) -> str:
@@ -55,7 +54,7 @@ def gguf_name(hf_name: str, names: dict[str, str] = common.GGUF_NAMES) -> str:
     family's GGUF_NAMES. Every expert's tensor of a module (mlp.experts.{e}.up_proj) has one
     name: llama.cpp stacks them into one 3-D tensor (GGUF_NAMES names mlp.experts.up_proj)."""
     if layer := _LAYER.fullmatch(hf_name):
-        inner = _EXPERT.sub("experts.", layer[2])
+        inner = common.EXPERT.sub("experts.", layer[2])
         if inner in names:  # a parameter without a module (gpt-oss's sinks): named whole
             return f"blk.{layer[1]}.{names[inner]}"
         module, _, param = inner.rpartition(".")

@@ -19,8 +19,9 @@ from gapless.kernels.quant import BlockQuant, GroupQuant, Quantized
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder
 from gapless.model.families import family_of
-from gapless.model.parallel import TensorParallel, shard_config, shard_weights
+from gapless.model.parallel import TensorParallel, shard_config
 from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE, Quantizer, quantizer
+from gapless.model.shard import shard_weights
 
 
 class WeightError(ValueError):
@@ -196,7 +197,7 @@ def build_decoder(
 
     Weights already quantized (from a GGUF file) run as they are; quantize, if given, turns
     the float weights of the linears into quantized ones. With `parallel`, of this rank's
-    shard, cut before any linear is built (parallel.shard_weights).
+    shard, cut before any linear is built (shard.shard_weights).
     """
     family = family_of(cfg.architecture)
     if hasattr(family, "split_fused"):

@@ -16,9 +16,7 @@ every expert, so routing needs nothing between ranks), and its router is replica
 from __future__ import annotations
 
 import dataclasses
-import functools
 import pickle
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -30,10 +28,7 @@ if TYPE_CHECKING:
     # What ProcessGroupGloo and ProcessGroupNCCL are: one backend's collectives for one group.
     from torch._C._distributed_c10d import Backend as Collectives
 
-from gapless.kernels.quant import BlockQuant, GroupQuant
 from gapless.model.config import ModelConfig
-
-Weight = torch.Tensor | GroupQuant | BlockQuant
 
 
 class ShardError(ValueError):
@@ -118,91 +113,3 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
         tie_word_embeddings=False,
         **({} if experts is None else {"moe_intermediate_size": experts // size}),
     )
-
-
-_EXPERT = re.compile(r"experts\.\d+\.")
-
-
-def shard_weights(
-    cfg: ModelConfig, w: dict[str, Weight], rank: int, size: int, dtype: torch.dtype
-) -> dict[str, Weight]:
-    """Replaces full weights under Hugging Face names by this rank's slices, in place; a
-    quantized weight that cannot be cut as it is is dequantized to dtype first."""
-    local = shard_config(cfg, size)
-    d = cfg.head_dim
-    q_rows = slice(rank * local.num_heads * d, (rank + 1) * local.num_heads * d)
-    first_kv = rank * cfg.num_kv_heads // size  # the replicated head when kv heads < ranks
-    kv_rows = slice(first_kv * d, (first_kv + local.num_kv_heads) * d)
-    inter = local.intermediate_size
-    mlp_rows = slice(rank * inter, (rank + 1) * inter)
-    expert = getattr(local, "moe_intermediate_size", 0)
-    expert_rows = slice(rank * expert, (rank + 1) * expert)
-    rows = {
-        "self_attn.q_proj": q_rows,
-        "self_attn.k_proj": kv_rows,
-        "self_attn.v_proj": kv_rows,
-        "mlp.gate_proj": mlp_rows,
-        "mlp.up_proj": mlp_rows,
-        # Experts (Qwen3-MoE's names, Mixtral's), each as a dense MLP is cut.
-        "mlp.experts.gate_proj": expert_rows,
-        "mlp.experts.up_proj": expert_rows,
-        "block_sparse_moe.experts.w1": expert_rows,
-        "block_sparse_moe.experts.w3": expert_rows,
-    }
-    columns = {
-        "self_attn.o_proj": q_rows,
-        "mlp.down_proj": mlp_rows,
-        "mlp.experts.down_proj": expert_rows,
-        "block_sparse_moe.experts.w2": expert_rows,
-    }
-    heads = slice(rank * local.num_heads, (rank + 1) * local.num_heads)
-    for name in list(w):
-        # model.layers.{i}.{module}.{weight or bias}; every expert's module as one
-        module, _, kind = _EXPERT.sub("experts.", name.split(".", 3)[-1]).rpartition(".")
-        if module == "self_attn" and kind == "sinks":  # one per query head (gpt-oss)
-            w[name] = w[name][heads].clone()  # type: ignore[index]
-        elif module in rows:
-            w[name] = _rows(w[name], rows[module], dtype)
-        elif module in columns and kind == "weight":
-            w[name] = _columns(w[name], columns[module], dtype)
-        elif module in columns and rank:
-            del w[name]  # o's and down's bias: added once, by rank 0
-    head = w.pop("lm_head.weight", None)
-    head = w["model.embed_tokens.weight"] if head is None else head
-    if isinstance(head, GroupQuant):
-        head = head.dequantize(dtype)
-    vocab_slice = functools.partial(_vocab_slice, rank=rank, size=size)
-    w["lm_head.weight"] = (
-        head.map_rows(vocab_slice) if isinstance(head, BlockQuant) else vocab_slice(head)
-    )
-    return w
-
-
-def _rows(weight: Weight, rows: slice, dtype: torch.dtype) -> Weight:
-    if isinstance(weight, BlockQuant):
-        return weight.map_rows(lambda t: t[rows].clone())
-    if isinstance(weight, GroupQuant):
-        weight = weight.dequantize(dtype)
-    return weight[rows].clone()
-
-
-def _columns(weight: Weight, columns: slice, dtype: torch.dtype) -> torch.Tensor | BlockQuant:
-    if isinstance(weight, BlockQuant):
-        try:
-            return weight.column_slice(columns)
-        except ValueError:
-            weight = weight.dequantize(dtype)
-    if isinstance(weight, GroupQuant):
-        weight = weight.dequantize(dtype)
-    return weight[:, columns].contiguous()
-
-
-def _vocab_slice(weight: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Rows rank * n .. (rank + 1) * n of the vocabulary, n = ceil(vocab / size); the last
-    slice is padded with zero rows (zero blocks: their scales are 0) so that every rank
-    gathers the same shape."""
-    n = -(-weight.shape[0] // size)
-    rows = weight[rank * n : (rank + 1) * n]
-    if len(rows) == n:
-        return rows.clone()
-    return torch.cat((rows, rows.new_zeros(n - len(rows), weight.shape[1])))

@@ -8,6 +8,8 @@ A family module declares, in plain torch over the kernels seam:
   metadata every llama.cpp file writes alike (model/gguf.py), meta(key, default) reads its own;
 - tensor_shapes(cfg) -> {Hugging Face tensor name: shape}: every tensor a checkpoint holds;
 - GGUF_NAMES: {Hugging Face module: llama.cpp's tensor name} (common.GGUF_NAMES, and its own);
+- SHARD_ROWS, SHARD_COLUMNS: {Hugging Face module: how tensor parallelism cuts it} (common's,
+  and its own: a mixture's experts, gpt-oss's sinks; model/shard.py cuts by them);
 - from_gguf(cfg, name, w) -> w: a GGUF tensor, under its Hugging Face name, as the checkpoint
   holds it (llama.cpp's converters permute rows or shift norms for some families);
 - build(cfg, weights) -> decoder.Body: its layers and final norm, from the checked weights

@@ -3,6 +3,7 @@ in Hugging Face's and in llama.cpp's (GGUF) names."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,23 @@ GGUF_NAMES = {
 }
 
 Shapes = dict[str, tuple[int, ...]]
+
+# A layer's tensor names with every expert's module as one: mlp.experts.{e}.up_proj is
+# mlp.experts.up_proj (as llama.cpp stacks them, and as tensor parallelism cuts them alike).
+EXPERT = re.compile(r"experts\.\d+\.")
+
+# Tensor parallelism (model/parallel.py): module -> how its weight is cut over the ranks. By
+# rows: "q" (the query heads' rows), "kv" (the KV heads'), "mlp" (the MLP's), "expert" (each
+# expert's MLP's); "heads": one value per query head. SHARD_COLUMNS cuts the projections back
+# by those columns (their biases go to rank 0). A family adds its own modules' names.
+SHARD_ROWS = {
+    "self_attn.q_proj": "q",
+    "self_attn.k_proj": "kv",
+    "self_attn.v_proj": "kv",
+    "mlp.gate_proj": "mlp",
+    "mlp.up_proj": "mlp",
+}
+SHARD_COLUMNS = {"self_attn.o_proj": "q", "mlp.down_proj": "mlp"}
 
 
 def model_shapes(cfg: ModelConfig, layer: Shapes) -> Shapes:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 ARCHITECTURES = ("Gemma2ForCausalLM",)
 GGUF_ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM"}
 GGUF_NAMES = gemma3.GGUF_NAMES
+SHARD_ROWS, SHARD_COLUMNS = common.SHARD_ROWS, common.SHARD_COLUMNS
 from_gguf = gemma3.from_gguf  # llama.cpp stores Gemma 2's norms as (1 + weight) too
 # transformers' Gemma2Config defaults, and llama.cpp's where a file does not say.
 ATTN_SOFTCAP, FINAL_SOFTCAP, WINDOW = 50.0, 30.0, 4096

@@ -37,6 +37,7 @@ GGUF_NAMES = common.GGUF_NAMES | {
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
 }
+SHARD_ROWS, SHARD_COLUMNS = common.SHARD_ROWS, common.SHARD_COLUMNS
 NORMS = (
     "input_layernorm",
     "post_attention_layernorm",

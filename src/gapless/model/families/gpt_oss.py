@@ -63,6 +63,8 @@ GGUF_NAMES = common.GGUF_NAMES | {
     "mlp.experts.up_proj": "ffn_up_exps",
     "mlp.experts.down_proj": "ffn_down_exps",
 }
+SHARD_ROWS = qwen3_moe.SHARD_ROWS | {"self_attn.sinks": "heads"}
+SHARD_COLUMNS = qwen3_moe.SHARD_COLUMNS
 NAMES = MoeNames("mlp", "router", "gate_proj", "up_proj", "down_proj")  # after split_fused
 DEFAULT_THETA = 150_000.0
 

@@ -40,6 +40,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 GGUF_NAMES = common.GGUF_NAMES
+SHARD_ROWS, SHARD_COLUMNS = common.SHARD_ROWS, common.SHARD_COLUMNS
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,11 @@ GGUF_NAMES = common.GGUF_NAMES | {
     "block_sparse_moe.experts.w3": "ffn_up_exps",
     "block_sparse_moe.experts.w2": "ffn_down_exps",
 }
+SHARD_ROWS = common.SHARD_ROWS | {
+    "block_sparse_moe.experts.w1": "expert",
+    "block_sparse_moe.experts.w3": "expert",
+}
+SHARD_COLUMNS = common.SHARD_COLUMNS | {"block_sparse_moe.experts.w2": "expert"}
 NAMES = MoeNames("block_sparse_moe", "gate", "w1", "w3", "w2")
 from_gguf = llama.unpermute_qk
 

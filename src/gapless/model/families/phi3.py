@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 ARCHITECTURES = ("Phi3ForCausalLM",)
 GGUF_ARCHITECTURES = {"phi3": "Phi3ForCausalLM"}
 GGUF_NAMES = common.GGUF_NAMES | {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+SHARD_ROWS, SHARD_COLUMNS = common.SHARD_ROWS, common.SHARD_COLUMNS
 ROPE_TYPES = {"default": "default", "longrope": "longrope", "su": "longrope"}
 
 

@@ -43,6 +43,11 @@ GGUF_NAMES = common.GGUF_NAMES | {
     "mlp.experts.up_proj": "ffn_up_exps",
     "mlp.experts.down_proj": "ffn_down_exps",
 }
+SHARD_ROWS = common.SHARD_ROWS | {
+    "mlp.experts.gate_proj": "expert",
+    "mlp.experts.up_proj": "expert",
+}
+SHARD_COLUMNS = common.SHARD_COLUMNS | {"mlp.experts.down_proj": "expert"}
 
 # A router's logits [T, experts] -> each token's (weights, experts) [T, k].
 Route = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 ARCHITECTURES = ("SmolLM3ForCausalLM",)
 GGUF_ARCHITECTURES = {"smollm3": "SmolLM3ForCausalLM"}
 GGUF_NAMES = common.GGUF_NAMES
+SHARD_ROWS, SHARD_COLUMNS = common.SHARD_ROWS, common.SHARD_COLUMNS
 NO_ROPE_LAYER_INTERVAL = 4  # transformers' default, and llama.cpp's fixed step
 tensor_shapes = llama.tensor_shapes
 from_gguf = llama.unpermute_qk
