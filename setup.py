@@ -35,8 +35,18 @@ def _kernel_builds() -> tuple[list, dict]:
 
     class BuildKernels(BuildExtension):
         """torch's extension build, each build in its own directory under build/ (so a
-        re-install recompiles only what changed), a failed one left out, and beside each
-        its sources' digest, which build.py checks before it trusts a build."""
+        re-install recompiles only what changed), and beside each its sources' digest, which
+        build.py checks before it trusts a build. A build that fails is left out of the
+        install, and so are all where torch finds no working compiler."""
+
+        def build_extensions(self) -> None:
+            self.built: set[str] = set()
+            try:
+                super().build_extensions()
+            except Exception as e:  # noqa: BLE001 - no compiler: torch's check refuses it
+                print(f"gapless: compiled no kernels ({e})", file=sys.stderr)
+            # What setuptools copies and installs after the build: only what was built.
+            self.extensions = [ext for ext in self.extensions if ext.name in self.built]
 
         def build_extension(self, ext) -> None:  # noqa: ANN001 - setuptools' Extension
             self.build_temp = str(ROOT / "build" / "kernels" / ext.name.rsplit(".", 1)[-1])
@@ -46,6 +56,7 @@ def _kernel_builds() -> tuple[list, dict]:
             except Exception as e:  # noqa: BLE001 - a compiler or headers missing, in many forms
                 print(f"gapless: could not compile {ext.name} ({e}); left out", file=sys.stderr)
                 return
+            self.built.add(ext.name)
             module = ext.name.rsplit(".", 1)[-1]
             where = [Path(self.get_ext_fullpath(ext.name)).parent]
             if self.editable_mode:  # the build is copied into the source tree; so is this
