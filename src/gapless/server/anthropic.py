@@ -250,9 +250,6 @@ class _MessageRenderer(Renderer):
         # that was not a call after all, and the calls.
         self.tool_stream = tool_calls.output_stream(parsed.tools, parsed.tool_parser)
 
-    def error_body(self, error: APIError) -> dict[str, Any]:
-        return error_body(error)
-
     def message(self, content: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return {
             "id": self.id,

@@ -5,7 +5,7 @@ with cancel-on-disconnect, cancellation by id, and errors.
 A dialect module (e.g. anthropic.py) parses its requests into checked prompt ids and
 SamplingParams (an embedding request: the prompt ids of its inputs, for embed()), renders
 engine events with a Renderer subclass, shapes APIError with its own `error_body`, and lists
-its ROUTES; app.py registers them.
+its ROUTES; app.py registers them with that shape (a Dialect record).
 """
 
 from __future__ import annotations
@@ -113,6 +113,9 @@ class EngineResponse:
         self.request_id = request_id
         self.renderer = renderer
         self.stream = stream
+        # The shape of an error before the first byte: the dialect's of the route that
+        # answers with this response (endpoint() sets it).
+        self.error_body: ErrorBody | None = None
         self.body = (
             stream_body(renderer, events, request_id) if stream else json_body(renderer, events)
         )
@@ -135,7 +138,8 @@ class EngineResponse:
             if not isinstance(e, APIError):
                 log.exception("request %s failed", self.request_id)
                 e = protocol.server_error(f"{type(e).__name__}: {e}")
-            await error_response(e, self.renderer.error_body)(scope, receive, send)
+            assert self.error_body is not None, "served by endpoint(), which sets it"
+            await error_response(e, self.error_body)(scope, receive, send)
             return
         try:
             if not self.stream:
@@ -410,7 +414,10 @@ def endpoint(
             _authorize(state, request)
             if request.method == "POST":
                 _require_json(request)
-            return await handler(state, request)
+            response = await handler(state, request)
+            if isinstance(response, EngineResponse):
+                response.error_body = error_body
+            return response
         except APIError as e:
             return error_response(e, error_body)
         except ClientDisconnect:  # any client can do this: one line, no traceback

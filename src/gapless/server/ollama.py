@@ -280,9 +280,6 @@ class _OllamaRenderer(Renderer):
         # that was not a call after all, and the calls.
         self.tool_stream = tool_calls.output_stream(None, parsed.tool_parser)
 
-    def error_body(self, error: APIError) -> dict[str, Any]:
-        return error_body(error)
-
     def line(self, text: str, done: bool, calls: list[ToolCall] | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model, "created_at": _created_at()}
         if self.chat:
@@ -377,9 +374,6 @@ class _EmbedRenderer(EmbeddingRenderer):
         self.model = model
         self.legacy = legacy
         self.started = time.monotonic()
-
-    def error_body(self, error: APIError) -> dict[str, Any]:
-        return error_body(error)
 
     def response(self, finished: FinishedEvent) -> dict[str, Any]:
         vectors = self.vectors()

@@ -173,9 +173,6 @@ class OpenAIRenderer(Renderer):
         self.created = protocol.now()
         self.choices = [Choice(i) for i in range(parsed.params.n)]
 
-    def error_body(self, error: APIError) -> dict[str, Any]:
-        return error_body(error)
-
     def envelope(self, choices: list[dict[str, Any]], obj: str) -> dict[str, Any]:
         return {
             "id": self.id,

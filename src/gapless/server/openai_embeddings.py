@@ -20,8 +20,8 @@ from starlette.responses import Response
 from gapless.engine.admission import Admission, RequestError
 from gapless.engine.events import FinishedEvent
 from gapless.server.endpoint import EmbeddingRenderer, ServerState, embed, read_json
-from gapless.server.openai_common import check_model, error_body
-from gapless.server.protocol import APIError, int_field, invalid, is_int, str_field
+from gapless.server.openai_common import check_model
+from gapless.server.protocol import int_field, invalid, is_int, str_field
 
 # Inputs one request may hold, as OpenAI allows.
 MAX_INPUTS = 2048
@@ -109,9 +109,6 @@ class _EmbeddingsRenderer(EmbeddingRenderer):
         super().__init__()
         self.model = state.settings.served_model_name
         self.parsed = parsed
-
-    def error_body(self, error: APIError) -> dict[str, Any]:
-        return error_body(error)
 
     def response(self, finished: FinishedEvent) -> dict[str, Any]:
         encode = as_base64 if self.parsed.encoding_format == "base64" else list

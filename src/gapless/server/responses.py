@@ -27,7 +27,7 @@ from gapless.engine.structured import GrammarCompiler
 from gapless.server import protocol, tool_calls
 from gapless.server.endpoint import ServerState, generate, read_json
 from gapless.server.openai_chat import chat_logprobs
-from gapless.server.openai_common import check_model, error_body
+from gapless.server.openai_common import check_model
 from gapless.server.protocol import (
     APIError,
     bool_field,
@@ -321,9 +321,6 @@ class _ResponseRenderer(Renderer):
         # feed(): the text that is content (a call's is held back); finish(): held text
         # that was not a call after all, and the calls.
         self.tool_stream = tool_calls.output_stream(parsed.tools, parsed.tool_parser)
-
-    def error_body(self, error: APIError) -> dict[str, Any]:
-        return error_body(error)
 
     def envelope(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
         return {

@@ -54,9 +54,6 @@ class Renderer:
         self.text: list[str] = []
         self.finishes: list[FinishedEvent] = []  # one per choice of a request for n
 
-    def error_body(self, error: APIError) -> dict[str, Any]:
-        raise NotImplementedError
-
     # Streaming.
     def opening(self) -> list[bytes]:
         return []
