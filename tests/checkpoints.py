@@ -53,7 +53,7 @@ _COMMON: dict[str, Any] = {
 }
 
 # arch -> (transformers model class, config class, config values on top of _COMMON)
-_ARCH_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
+ARCH_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": (
         "LlamaForCausalLM",
         "LlamaConfig",
@@ -281,11 +281,11 @@ def make_checkpoint(
     import torch
     import transformers
 
-    if arch not in _ARCH_SPECS:
+    if arch not in ARCH_SPECS:
         raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
     if config_style not in ("hf4", "hf5"):
         raise ValueError(f"config_style must be 'hf4' or 'hf5', not {config_style!r}")
-    model_cls_name, config_cls_name, arch_values = _ARCH_SPECS[arch]
+    model_cls_name, config_cls_name, arch_values = ARCH_SPECS[arch]
     out_dir = Path(out_dir)
     write_test_tokenizer(out_dir)
     tok = shared_tokenizer()

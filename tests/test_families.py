@@ -9,6 +9,7 @@ A new family adds its checkpoint to checkpoints.py and its name to FAMILIES here
 
 from __future__ import annotations
 
+import checkpoints
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
@@ -20,6 +21,7 @@ from test_model import (
     prompt,
     run_chunks,
 )
+from test_moe import ARCHS as MOE_ARCHS
 from test_tensor_parallel import sharded_runner, tp2  # noqa: F401 - a fixture
 
 from gapless import LLM, SamplingParams
@@ -146,3 +148,13 @@ def test_every_gguf_architecture_a_family_reads_names_it_back():
     for family in families.FAMILIES:
         for gguf, architecture in family.GGUF_ARCHITECTURES.items():
             assert families.gguf_architecture(architecture) == gguf
+
+
+def test_every_architecture_the_registry_reads_has_a_checkpoint_under_parity_test():
+    """A family listed in families.FAMILIES without a tiny checkpoint (tests/checkpoints.py),
+    or with one that no parity test against transformers runs (test_model's ARCHS, the
+    mixtures' in test_moe), fails here."""
+    registered = {name for family in families.FAMILIES for name in family.ARCHITECTURES}
+    classes = {arch: spec[0] for arch, spec in checkpoints.ARCH_SPECS.items()}
+    assert set(classes.values()) == registered
+    assert set(classes) == {*checkpoints.ARCHS, *MOE_ARCHS}
