@@ -456,3 +456,38 @@ def test_the_largest_step_run_before_serving_leaves_no_trace(make_engine):
     for engine in (fresh, reserved):
         engine.add_request(prompt(40), greedy(8), request_id="r")
     assert tokens(run(reserved)["r"]) == tokens(run(fresh)["r"])
+
+
+def test_choices_forked_in_one_step_stay_within_the_sequence_cap(make_engine):
+    """Two requests for 3 choices whose prompts complete in the same step: their forks
+    together start no more sequences than max_num_seqs; the rest wait, and every choice still
+    ends with its tokens and every block back."""
+    engine = make_engine(max_num_seqs=4)
+    ids = [engine.add_request(prompt(20, i), greedy(6, n=3)) for i in range(2)]
+    log: dict[str, list] = {}
+    while engine.has_work:
+        for event in engine.step():
+            log.setdefault(event.request_id, []).append(event)
+        assert len(engine.scheduler.running) <= 4
+    for request_id in ids:
+        done = [e for e in log[request_id] if isinstance(e, FinishedEvent)]
+        assert sorted(e.index for e in done) == [0, 1, 2]
+        assert all(e.completion_tokens == 6 for e in done)
+    assert engine.pool.num_used == 0
+
+
+def test_a_step_that_raises_as_its_prompt_forks_leaves_no_block_behind(make_engine, monkeypatch):
+    """The block each choice of an n-choice request gets for its copy of the prompt's last
+    block is reserved when the step is planned; a step that then raises (an engine bug, which
+    fail_all answers) must not leave it held."""
+    engine = make_engine()
+    engine.add_request(prompt(20), greedy(4, n=3))  # 20 tokens: a partly filled last block
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("a bug in sampling")
+
+    monkeypatch.setattr(engine, "_sample_runs", broken)
+    with pytest.raises(RuntimeError, match="a bug in sampling"):
+        engine.step()
+    engine.fail_all("the step failed")
+    assert engine.pool.num_used == 0 and not engine.has_work

@@ -36,11 +36,11 @@ class DraftPlan:
 class Fork:
     """The other choices of a request whose prompt this step completes: each starts on its
     computed prompt (Scheduler.update), sharing its full blocks and taking its own copy of the
-    partly filled last one, reserved here. Those that do not fit now queue as requests."""
+    partly filled last one, whose block the plan put in its tables. Those that do not fit now
+    queue as requests."""
 
     parent: Request
     children: list[Request]  # sample from the parent's last row this step
-    blocks: list[list[int]]  # each child's own last block, one per KV group (none: a whole block)
     waiting: list[Request]  # the rest
 
 

@@ -240,7 +240,11 @@ class Scheduler:
             left -= n + charge
         drafts = self._speculate(decodes, left, DECODE_ROWS - len(decodes)) if speculating else []
         preempted, self._preempted = self._preempted, []
-        forks = [self._plan_fork(c.request) for c in chunks if self._completes_with_forks(c)]
+        forks: list[Fork] = []
+        for chunk in chunks:
+            if self._completes_with_forks(chunk):
+                starting = sum(len(f.children) for f in forks)  # of the step's earlier forks
+                forks.append(self._plan_fork(chunk.request, starting))
         return StepPlan(chunks, drafts, preempted, forks)
 
     def _encodes(
@@ -420,21 +424,24 @@ class Scheduler:
             and request.params.max_tokens > 0
         )
 
-    def _plan_fork(self, parent: Request) -> Fork:
+    def _plan_fork(self, parent: Request, starting: int) -> Fork:
         """The parent's other choices that start on its prompt once this step computes it,
-        each with its own copy of the prompt's partly filled last block reserved; a choice
-        that does not fit now (sequence cap, no free block) waits as an ordinary request."""
+        beside `starting` others this step forks; each gets, in its own block tables, the
+        block its copy of the prompt's partly filled last block goes to (so that it is
+        released with the rest of its KV, however the choice ends). A choice that does not
+        fit now (sequence cap, no free block) waits as an ordinary request."""
         partial = parent.num_tokens % self.pool.block_size
-        fork = Fork(parent, [], [], [])
+        fork = Fork(parent, [], [])
         for child in parent.forks:
-            starts = len(self.running) + len(fork.children)
+            starts = len(self.running) + starting + len(fork.children)
             if starts >= self.config.max_num_seqs or (
                 partial and not all(g.pool.num_available for g in self.groups)
             ):
                 fork.waiting.append(child)
                 continue
             fork.children.append(child)
-            fork.blocks.append([g.pool.allocate(1)[0] for g in self.groups] if partial else [])
+            own = [g.pool.allocate(1) if partial else [] for g in self.groups]
+            child.block_table, *child.window_tables = own
         return fork
 
     def update(self, plan: StepPlan, outcome: StepOutcome) -> list[list[tuple[int, int]]]:
@@ -471,21 +478,23 @@ class Scheduler:
     ) -> None:
         """Starts the fork's children on the parent's computed prompt: its full KV blocks shared
         by reference, the partly filled last one copied into their own (their next tokens
-        differ). Where the parent's chunk failed, or a child ended, its reserved blocks go back."""
+        differ). A child that ended keeps its own block until finish() releases its KV; where
+        the parent's chunk was not computed, the block goes back now."""
         parent, bs = fork.parent, self.pool.block_size
         full = parent.num_computed // bs
-        for child, own in zip(fork.children, fork.blocks, strict=True):
-            if not computed or child in finished:
-                for group, block in zip(self.groups, own, strict=False):
-                    group.pool.release([block])
+        for child in fork.children:
+            if child in finished:
+                continue
+            if not computed:
+                self._release_blocks(child)
                 continue
             tables = []
-            for i, (group, table) in enumerate(zip(self.groups, self._tables(parent), strict=True)):
+            for i, (group, table, own) in enumerate(
+                zip(self.groups, self._tables(parent), self._tables(child), strict=True)
+            ):
                 group.pool.share([b for b in table[:full] if b >= 0])
-                tables.append(table[:full])
-                if own:
-                    copies[i].append((table[full], own[i]))
-                    tables[-1].append(own[i])
+                tables.append(table[:full] + own)
+                copies[i] += [(table[full], block) for block in own]
             child.block_table, *child.window_tables = tables
             child.num_computed = parent.num_computed
             child.block_hashes = parent.block_hashes[:full]
