@@ -55,7 +55,7 @@ def step_counts(engine: Engine) -> tuple[dict[str, int], list]:
 def start_decoding(engine: Engine, *prompts: list[int], max_tokens: int = 60) -> list[str]:
     ids = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
     engine.step()  # idle budget: both prompts prefill and sample in one step
-    assert all(engine._requests[i][0].is_decoding for i in ids)
+    assert all(engine.intake.sequences(i)[0].is_decoding for i in ids)
     return ids
 
 
@@ -64,7 +64,7 @@ def test_decodes_never_stall_while_a_long_prompt_prefills(make_engine):
     a, b = start_decoding(engine, prompt(3, 1), prompt(4, 2))
     c = engine.add_request(prompt(8 * 16 + 5, 3), greedy(5))
     progress = []
-    while not engine._requests[c][0].is_decoding:
+    while not engine.intake.sequences(c)[0].is_decoding:
         counts, events = step_counts(engine)
         assert counts.get(a) == 1 and counts.get(b) == 1
         progress += [e for e in events if isinstance(e, ProgressEvent)]
@@ -203,7 +203,7 @@ def test_idle_fast_path_prefills_5000_tokens_in_two_steps(checkpoint):
     engine = Engine.from_pretrained(path, EngineConfig.of(dtype="float32"))
     rid = engine.add_request(prompt(5000), greedy(1))
     steps = 0
-    while engine._requests.get(rid) and not engine._requests[rid][0].output_ids:
+    while (live := engine.intake.sequences(rid)) and not live[0].output_ids:
         engine.step()
         steps += 1
     assert steps == 2
@@ -258,7 +258,7 @@ def test_sliding_window_releases_blocks_behind_the_window(make_engine):
     peak = 0
     while engine.has_work:
         engine.step()
-        [req] = engine._requests.get(rid, [None])
+        [req] = engine.intake.sequences(rid) or [None]
         if req is not None:
             peak = max(peak, sum(b >= 0 for b in req.block_table))
     assert peak <= 3  # a 24-token window plus the block being written spans at most 3

@@ -226,7 +226,7 @@ def test_a_sampler_fault_in_one_row_fails_only_that_request(
     ids = _add_all(engine)
     victim = ids[0]
     real_sample = engine_module.sample
-    victim_states = [r.sampling for r in engine._requests[victim]]
+    victim_states = [r.sampling for r in engine.intake.sequences(victim)]
 
     def faulty_sample(states: list[Any], logits: Any) -> Any:
         out = real_sample(states, logits)  # draws first: the retry must rewind the seeds

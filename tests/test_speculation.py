@@ -12,7 +12,7 @@ import torch
 from checkpoints import ARCHS
 from helpers import greedy, prompt
 
-from gapless.engine import engine as engine_module
+from gapless.engine import intake as intake_module
 from gapless.engine import scheduler as scheduler_module
 from gapless.engine import speculation as speculation_module
 from gapless.engine.config import EngineConfig
@@ -104,7 +104,7 @@ def oracle(monkeypatch) -> dict[tuple[int, ...], list[int]]:
                 draft[-1] ^= 1
             return draft
 
-    monkeypatch.setattr(engine_module, "Speculation", Oracle)
+    monkeypatch.setattr(intake_module, "Speculation", Oracle)
     return known
 
 

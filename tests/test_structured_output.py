@@ -116,7 +116,7 @@ def test_a_failing_grammar_fails_only_its_request(engine):
     def broken():
         raise GrammarError("the matcher broke")
 
-    engine._requests[bad][0].sampling.matcher.allowed = broken
+    engine.intake.sequences(bad)[0].sampling.matcher.allowed = broken
     got = run(engine)
     assert got[bad, 0]["finish"].finish_reason == "error"
     assert "the matcher broke" in got[bad, 0]["finish"].error
@@ -130,7 +130,7 @@ def test_n_choices_share_the_prompt_blocks_and_draw_from_seed_plus_index(engine)
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=40, n=3, ignore_eos=True)
     rid = engine.add_request(ids, params)
     got: dict = {}
-    while not all(r.output_ids for r in engine._requests[rid]):
+    while not all(r.output_ids for r in engine.intake.sequences(rid)):
         collect(got, engine.step())
     # The first choice's 3 blocks; each other choice adds only its copy of the partial block.
     assert engine.pool.num_used == 3 + 2
@@ -147,7 +147,7 @@ def test_n_choices_share_the_prompt_blocks_and_draw_from_seed_plus_index(engine)
 
 def test_cancelling_a_request_for_n_frees_every_choice(engine):
     rid = engine.add_request(prompt(40), SamplingParams(max_tokens=100, n=4, ignore_eos=True))
-    while not all(r.output_ids for r in engine._requests.get(rid, [])):
+    while not all(r.output_ids for r in engine.intake.sequences(rid)):
         engine.step()
     engine.cancel(rid)
     got = run(engine)
@@ -159,7 +159,7 @@ def test_cancelled_before_the_fork_ends_the_waiting_choices_too(engine):
     rid = engine.add_request(prompt(100), SamplingParams(max_tokens=5, n=3))
     got: dict = {}
     collect(got, engine.step())  # one chunk of the prompt: the other choices wait to fork
-    assert [len(r.forks) for r in engine._requests[rid]] == [2, 0, 0]
+    assert [len(r.forks) for r in engine.intake.sequences(rid)] == [2, 0, 0]
     engine.cancel(rid)
     run(engine, got)
     assert sorted(i for r, i in got if r == rid) == [0, 1, 2]

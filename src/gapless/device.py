@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-__all__ = ["collective_backend", "rank_device", "tune_allocator"]
+__all__ = ["collective_backend", "prepare_process", "rank_device"]
 
 
 def collective_backend(device: str) -> str:
@@ -35,6 +35,14 @@ def rank_device(device: str, local_rank: int) -> str:
 # caches held ~0.15-0.6 MB per prompt of a new length, for good (the soak test's demo-model
 # server grew 420 -> 1,046 MiB in 150 s). 128 hold the hot linears of ~25 batch sizes.
 SHAPE_CACHE_ENTRIES = "128"
+
+
+def prepare_process(threads: int | None) -> None:
+    """Sets this process up to run a model: its OpenMP threads (None: torch's default, one
+    per core) and its allocator (tune_allocator); before the model loads."""
+    if threads:
+        torch.set_num_threads(threads)
+    tune_allocator()
 
 
 @functools.cache

@@ -17,13 +17,15 @@ from gapless.engine.sampling_params import SamplingParams
 
 
 def engine_for(model_dir: Path, flags: list[str]) -> Engine:
-    """The engine `gapless serve MODEL_DIR FLAGS` would run."""
+    """The engine `gapless serve MODEL_DIR FLAGS` would run, after its start-up step."""
     from gapless.server.cli import add_serve_parser, engine_config
 
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", str(model_dir), *flags])
-    return Engine.from_pretrained(model_dir, engine_config(args))
+    engine = Engine.from_pretrained(model_dir, engine_config(args))
+    engine.reserve_peak_memory()
+    return engine
 
 
 def run_engine(

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn
 
-import torch
 import torch.distributed as dist
 
-from gapless.device import collective_backend, rank_device
+from gapless.device import collective_backend, prepare_process, rank_device
 from gapless.engine.options import check, option
 from gapless.engine.runner import ModelRunner
 from gapless.model.checkpoint import load_model
@@ -224,7 +223,7 @@ def _join(
     owner: str,
 ) -> Group:
     cores = len(os.sched_getaffinity(0))
-    torch.set_num_threads(launch.threads or max(1, cores // per_node))
+    prepare_process(launch.threads or max(1, cores // per_node))
     device = rank_device(launch.device, local_rank)
     store = dist.TCPStore(addr, port, size, store_host, timeout=STARTUP_TIMEOUT)
     collective_timeout = timedelta(seconds=launch.collective_timeout_s)

@@ -34,7 +34,11 @@ class LLM:
     and never another LLM's (two may be alive at once, and `llm = LLM(...)` may rebind)."""
 
     def __init__(self, model: str | Path, **options: Any) -> None:
+        """Loads the model, then runs the largest step it can schedule once, as `gapless
+        serve` does at start (Engine.reserve_peak_memory): the first long prompt then runs
+        as fast here as in a server."""
         self.engine = Engine.from_pretrained(model, EngineConfig.of(**options))
+        self.engine.reserve_peak_memory()
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:

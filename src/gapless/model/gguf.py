@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from gapless.device import tune_allocator
 from gapless.kernels import Kernels, blocks, resolve_dtype, select
 from gapless.kernels.quant import BlockQuant, GroupQuant
 from gapless.model.config import ModelConfig
@@ -212,7 +211,6 @@ def load_gguf(
 ) -> tuple[Decoder, Tokenizer]:
     """The decoder and tokenizer of a GGUF file. quantize (see load_decoder) applies to the
     weights that are float after load."""
-    tune_allocator()  # before the probe's first oneDNN op
     path = Path(path)
     quantizer(quantize, group_size)  # a bad choice fails before the file is read
     # Copy-on-write: tensors view the mapped file without a copy and are never written back.

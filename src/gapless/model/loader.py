@@ -12,7 +12,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from gapless.device import tune_allocator
 from gapless.kernels import Kernels, Linear, resolve_dtype, select
 from gapless.kernels.linear import StackedLinear
 from gapless.kernels.quant import BlockQuant, GroupQuant, Quantized
@@ -121,7 +120,6 @@ def load_decoder(
 ) -> Decoder:
     """quantize: None, "int8" or "int4" (with group_size): the linears' weights (lm_head
     too), quantized round-to-nearest at load; embeddings and norms stay in dtype."""
-    tune_allocator()  # before the probe's first oneDNN op
     path = Path(path)
     quantizer(quantize, group_size)  # a bad choice fails before the weights are read
     cfg = ModelConfig.from_pretrained(path)

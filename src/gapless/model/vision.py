@@ -30,7 +30,6 @@ from typing import Protocol
 import torch
 from PIL import Image
 
-from gapless.device import tune_allocator
 from gapless.kernels import resolve_dtype, select
 from gapless.model.config import ConfigError, ModelConfig
 from gapless.model.decoder import Decoder
@@ -134,7 +133,6 @@ def load_vision_language(
 ) -> VisionLanguageModel:
     """A vision-language checkpoint directory: its language model as a Decoder of its text
     family, its vision tower and projector as a VisionEncoder, its image processor."""
-    tune_allocator()  # before the probe's first oneDNN op, as load_decoder
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     family = vision_family_of((raw.get("architectures") or [None])[0])

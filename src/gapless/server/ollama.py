@@ -497,7 +497,7 @@ def _parameters(state: ServerState) -> str:
     """Modelfile PARAMETER lines: the context length and the tokens that end generation."""
     tokenizer = state.engine.tokenizer
     lines = [("num_ctx", str(state.engine.max_model_len))]
-    for token_id in sorted(state.engine.eos_ids):
+    for token_id in sorted(state.engine.tokenizer.eos_token_ids):
         lines.append(("stop", json.dumps(tokenizer.token_text(token_id), ensure_ascii=False)))
     return "\n".join(f"{name:<30} {value}" for name, value in lines)
 
