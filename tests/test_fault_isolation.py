@@ -16,7 +16,7 @@ import pytest
 from server_fixture import MODEL, RunningServer, running_server
 
 from gapless import Engine, EngineConfig, SamplingParams
-from gapless.engine import engine as engine_module
+from gapless.engine import sampler as sampler_module
 from gapless.engine.events import TokenEvent
 from gapless.server.settings import ServerSettings
 
@@ -225,7 +225,7 @@ def test_a_sampler_fault_in_one_row_fails_only_that_request(
     clean = _clean_tokens(engine)
     ids = _add_all(engine)
     victim = ids[0]
-    real_sample = engine_module.sample
+    real_sample = sampler_module.sample
     victim_states = [r.sampling for r in engine.intake.sequences(victim)]
 
     def faulty_sample(states: list[Any], logits: Any) -> Any:
@@ -234,7 +234,7 @@ def test_a_sampler_fault_in_one_row_fails_only_that_request(
             raise OverflowError("injected sampler fault")
         return out
 
-    monkeypatch.setattr(engine_module, "sample", faulty_sample)
+    monkeypatch.setattr(sampler_module, "sample", faulty_sample)
     faulty = _run(engine)
     _assert_unharmed(faulty, ids, clean, victim)
     assert "injected sampler fault" in faulty[victim][-1].error
@@ -267,7 +267,7 @@ def test_an_engine_bug_in_every_row_fails_safe(
     def broken(*args: Any) -> Any:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(engine_module, "sample", broken)
+    monkeypatch.setattr(sampler_module, "sample", broken)
     ids = _add_all(engine)
     events = _run(engine)  # ends: every request fails once, nothing is retried forever
     assert [events[i][-1].finish_reason for i in ids] == ["error"] * 3

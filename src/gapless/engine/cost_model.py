@@ -23,6 +23,8 @@ from collections import deque
 
 import torch
 
+from gapless.engine.plan import StepPlan
+
 # Chunk size while the model has not yet timed enough chunks: small, so a step stays short
 # whatever the machine, and the fit learns what chunks cost.
 LEARNING_CHUNK = 64
@@ -49,6 +51,21 @@ def step_features(
         float(pairs),
         float(encoded_tokens),
     ]
+
+
+def plan_features(plan: StepPlan) -> list[float]:
+    """The features of a planned step, before its update moves num_computed."""
+    prompts = [c for c in plan.chunks if not c.request.is_decoding]
+    # A draft's tokens attend as decodes do (runner), and cost as much.
+    return step_features(
+        [c.request.num_computed + 1 + i for c in plan.decodes for i in range(c.num_tokens)],
+        [(c.num_tokens, c.request.num_computed) for c in prompts],
+        sum(
+            c.request.images[i].length * units / c.request.images[i].units
+            for c in plan.chunks
+            for i, units in c.encodes
+        ),
+    )
 
 
 class StepCostModel:

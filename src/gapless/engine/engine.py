@@ -14,7 +14,7 @@ import torch
 from gapless.engine import builder, distributed
 from gapless.engine.admission import Admission, RequestError
 from gapless.engine.config import EngineConfig
-from gapless.engine.cost_model import step_features
+from gapless.engine.cost_model import plan_features
 from gapless.engine.draft import DraftModel
 from gapless.engine.emitter import Emitter, embedding, pool, record_prompt_logprobs
 from gapless.engine.events import Event, TokenLogprob
@@ -23,7 +23,7 @@ from gapless.engine.metrics import EngineMetrics
 from gapless.engine.plan import Fork, ScheduledChunk, StepOutcome, StepPlan
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
-from gapless.engine.sampler import sample
+from gapless.engine.sampler import sample_each
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.scheduler import Scheduler
 from gapless.engine.structured import GrammarCompiler
@@ -203,7 +203,7 @@ class Engine:
         self._propose(plan)
         if not plan.chunks:
             return self.emitter.take_events()
-        features = self._features(plan)  # before the update moves num_computed
+        features = plan_features(plan)  # before the update moves num_computed
         outcome = StepOutcome()
         runs = self._execute(plan, outcome)
         self._sample_runs(runs, outcome)
@@ -245,22 +245,6 @@ class Engine:
             except Exception as exc:
                 self.emitter.fail(chunk.request, exc)
         return runs
-
-    @staticmethod
-    def _features(plan: StepPlan) -> list[float]:
-        """The step's features for the cost model (cost_model.step_features)."""
-        decodes = plan.decodes
-        prompts = [c for c in plan.chunks if not c.request.is_decoding]
-        # A draft's tokens attend as decodes do (runner), and cost as much.
-        return step_features(
-            [c.request.num_computed + 1 + i for c in decodes for i in range(c.num_tokens)],
-            [(c.num_tokens, c.request.num_computed) for c in prompts],
-            sum(
-                c.request.images[i].length * units / c.request.images[i].units
-                for c in plan.chunks
-                for i, units in c.encodes
-            ),
-        )
 
     def _observe_step(self, plan: StepPlan, features: list[float], elapsed: float) -> None:
         decode_tokens = sum(c.num_tokens for c in plan.decodes)
@@ -374,31 +358,18 @@ class Engine:
     def _sample(
         self, batch: list[tuple[Request, torch.Tensor]]
     ) -> list[tuple[Request, int, TokenLogprob | None]]:
-        """Samples every row at once; if that fails, row by row, failing only the rows that
-        fail alone. Seeded generators are rewound first, so the retried rows draw the same
-        numbers they would have drawn in the batch."""
+        """A token for each row, failing only the requests whose rows fail (sample_each)."""
         if not batch:
             return []
         reqs = [r for r, _ in batch]
-        logits = torch.stack([x for _, x in batch])
-        states = [r.sampling for r in reqs]
-        rewind = [s.generator.get_state() if s.generator is not None else None for s in states]
-        try:
-            return [(r, t, i) for r, (t, i) in zip(reqs, sample(states, logits), strict=True)]
-        except Exception:
-            if len(reqs) > 1:
-                log.exception("sampling %d rows failed: sampling them one at a time", len(reqs))
-        out = []
-        for row, (req, generator_state) in enumerate(zip(reqs, rewind, strict=True)):
-            if generator_state is not None:
-                req.sampling.generator.set_state(generator_state)
-            try:
-                [(token, info)] = sample([req.sampling], logits[row : row + 1])
-            except Exception as exc:
-                self.emitter.fail(req, exc)
-                continue
-            out.append((req, token, info))
-        return out
+        results = sample_each([r.sampling for r in reqs], torch.stack([x for _, x in batch]))
+        sampled = []
+        for req, result in zip(reqs, results, strict=True):
+            if isinstance(result, Exception):
+                self.emitter.fail(req, result)
+            else:
+                sampled.append((req, *result))
+        return sampled
 
     def fail_all(self, error: str) -> list[Event]:
         """Ends every live request with an error, releasing its KV; the engine stays usable."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -10,6 +11,8 @@ import torch
 
 from gapless.engine.events import TokenLogprob
 from gapless.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("gapless.engine")
 
 if TYPE_CHECKING:
     from gapless.engine.structured import GrammarMatcher
@@ -179,3 +182,28 @@ def apply_grammars(states: list[SamplingState], logits: torch.Tensor) -> torch.T
         allowed = states[i].matcher.allowed().to(logits.device)
         logits[i].masked_fill_(~allowed, float("-inf"))
     return logits
+
+
+def sample_each(
+    states: list[SamplingState], logits: torch.Tensor
+) -> list[tuple[int, TokenLogprob | None] | Exception]:
+    """sample(), with each row's failure its own: every row at once, and if that fails, row by
+    row, a row that fails alone getting its exception in its place. Seeded generators are
+    rewound first, so the retried rows draw the same numbers they would have drawn in the
+    batch."""
+    rewind = [s.generator.get_state() if s.generator is not None else None for s in states]
+    try:
+        return list(sample(states, logits))
+    except Exception:
+        if len(states) > 1:
+            log.exception("sampling %d rows failed: sampling them one at a time", len(states))
+    results: list[tuple[int, TokenLogprob | None] | Exception] = []
+    for row, (state, generator_state) in enumerate(zip(states, rewind, strict=True)):
+        if generator_state is not None:
+            state.generator.set_state(generator_state)
+        try:
+            [result] = sample([state], logits[row : row + 1])
+        except Exception as exc:
+            result = exc
+        results.append(result)
+    return results
