@@ -18,6 +18,7 @@ from gapless.engine import speculation as speculation_module
 from gapless.engine.config import EngineConfig
 from gapless.engine.engine import Engine
 from gapless.engine.events import FinishedEvent, TokenEvent
+from gapless.engine.prompt_lookup import PromptLookup
 from gapless.engine.request import Request, RequestState
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.scheduler import Scheduler, SchedulerConfig
@@ -92,19 +93,19 @@ def oracle(monkeypatch) -> dict[tuple[int, ...], list[int]]:
     Other prompts propose nothing."""
     known: dict[tuple[int, ...], list[int]] = {}
 
-    class Oracle(Speculation):
+    class Oracle(PromptLookup):
         proposals = 0
 
-        def propose(self, request: Request, most: int, batch: int) -> list[int]:
+        def propose(self, request: Request, k: int) -> list[int]:
             future = known.get(tuple(request.prompt_ids), [])
             done = len(request.output_ids)
-            draft = future[done : done + min(most, 4)]
+            draft = future[done : done + min(k, 4)]
             self.proposals += 1
             if draft and self.proposals % 2 == 0:
                 draft[-1] ^= 1
             return draft
 
-    monkeypatch.setattr(intake_module, "Speculation", Oracle)
+    monkeypatch.setattr(intake_module, "PromptLookup", Oracle)
     return known
 
 
@@ -354,9 +355,11 @@ def test_acceptance_sets_how_many_tokens_a_request_proposes():
 
 
 def decoding(scheduler: Scheduler, seed: int) -> Request:
-    """A request decoding after a looping prompt (prompt lookup has a proposal for it)."""
+    """A request decoding after a looping prompt (prompt lookup has a proposal for it), which
+    proposes by prompt lookup unless the scheduler has a draft model."""
     tokens = prompt(6, seed) * 4
-    req = Request(str(seed), tokens, greedy(64), speculation=Speculation(5))
+    lookup = PromptLookup() if scheduler.draft_unseen is None else None
+    req = Request(str(seed), tokens, greedy(64), speculation=Speculation(5), lookup=lookup)
     scheduler.add(req)
     [chunk] = [c for c in scheduler.schedule().chunks if c.request is req]
     req.num_computed += chunk.num_tokens

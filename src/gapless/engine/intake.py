@@ -15,6 +15,7 @@ from gapless.engine.admission import Admission, CheckedPrompt, ImageInput, Reque
 from gapless.engine.config import EngineConfig
 from gapless.engine.events import ProgressEvent
 from gapless.engine.output import OutputStream
+from gapless.engine.prompt_lookup import PromptLookup
 from gapless.engine.request import POOLINGS, Request
 from gapless.engine.sampler import SamplingState, TokenCounts
 from gapless.engine.sampling_params import SamplingParams
@@ -151,9 +152,11 @@ class Intake:
                 sampling.matcher = self.grammars.matcher(params.grammar)
             except GrammarError as e:
                 raise RequestError(f"the grammar does not compile: {e}", "grammar") from e
-        speculation = None
+        speculation = lookup = None
         if self.config.speculate != "none" and params.speculate:
             speculation = Speculation(self.config.num_speculative_tokens)
+            if self.config.speculate == "ngram":
+                lookup = PromptLookup()
         return Request(
             request_id,
             list(checked),
@@ -164,6 +167,7 @@ class Intake:
             sampling=sampling,
             output=OutputStream(self.admission.tokenizer, params),
             speculation=speculation,
+            lookup=lookup,
             images=checked.images,
             rope_positions=checked.rope_positions,
         )

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from gapless.engine.admission import PromptImage
     from gapless.engine.output import OutputStream
+    from gapless.engine.prompt_lookup import PromptLookup
     from gapless.engine.speculation import Speculation
     from gapless.model.encode_steps import EncodeSteps
 
@@ -53,6 +54,7 @@ class Request:
     sampling: SamplingState | None = None  # None: plain SamplingState(params)
     output: OutputStream | None = None  # None: no text is rendered (runner-level use)
     speculation: Speculation | None = None  # None: decodes one token a step
+    lookup: PromptLookup | None = None  # its proposer, with --speculate ngram
     # An embedding request's pooling (POOLINGS): it samples no token and ends with its prompt.
     pooling: str | None = None
     # The prompt's images, in order (admission.py), and for M-RoPE (Qwen2.5-VL) its tokens'

@@ -306,12 +306,12 @@ class Scheduler:
             most = min(most, self._room(request) - 1)
             if most <= 0:
                 continue
-            if self.draft_unseen is None:
-                used = self._verify(chunk, speculation.propose(request, most, len(decodes)))
-                tokens, rows = tokens - used, rows - used
-                continue
             k = min(most, speculation.limit(len(decodes)))
             if k <= 0:
+                continue
+            if request.lookup is not None:
+                used = self._verify(chunk, request.lookup.propose(request, k))
+                tokens, rows = tokens - used, rows - used
                 continue
             unseen = self.draft_unseen(request)
             catch_up = min(unseen, tokens)

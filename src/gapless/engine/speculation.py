@@ -27,13 +27,6 @@ How many tokens a request proposes follows how its proposals have fared (Specula
 from __future__ import annotations
 
 import math
-from typing import Protocol
-
-# Prompt lookup matches the last NGRAM_MAX, then fewer, down to NGRAM_MIN tokens. A single
-# token matches almost anywhere and rarely predicts what follows.
-NGRAM_MAX = 4
-NGRAM_MIN = 2
-_WIDTH = 4  # bytes per token id in the searched buffer
 
 # What verifying one more row costs, as a share of a decode step at batch 1: on this
 # project's CPU, SmolLM2's Q4_1 file on one thread took 7.4 ms a decode and about 1.5 ms more
@@ -50,26 +43,12 @@ DECAY = 0.75
 PROBE_EVERY = 8
 
 
-class Tokens(Protocol):
-    """A request's tokens so far, prompt then output (Request is one)."""
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    def tokens(self, start: int, end: int) -> list[int]: ...
-
-
 class Speculation:
-    """The record of one request's proposals' fate, which sets how many it proposes, and its
-    prompt lookup (the engine's draft model, where there is one, proposes instead)."""
+    """The record of one request's proposals' fate, which sets how many it proposes (its
+    prompt lookup, or the engine's draft model, proposes them)."""
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens  # the most tokens it proposes in a step
-        # The request's tokens (prompt, then accepted output) as little-endian int32, so the
-        # latest earlier match of its last tokens is one bytes.rfind away, however long the
-        # prompt.
-        self._tokens = bytearray()
-        self._count = 0
         self.accepted = 0.0  # decayed counts over recent verifications
         self.rejected = 0.0
         self._idle_steps = 0
@@ -102,27 +81,3 @@ class Speculation:
         """Books a verification: `accepted` of `proposed` tokens, in order."""
         self.accepted = DECAY * self.accepted + accepted
         self.rejected = DECAY * self.rejected + (accepted < proposed)
-
-    def propose(self, request: Tokens, most: int, batch: int) -> list[int]:
-        """By prompt lookup: up to `most` tokens to follow the request's tokens, beside `batch`
-        decodes: what followed the latest earlier occurrence of its last NGRAM_MAX tokens,
-        else of fewer, down to NGRAM_MIN. (Its tokens only ever grow: rejected proposals
-        never join them.)"""
-        k = min(most, self.limit(batch))
-        if k <= 0:
-            return []
-        data, total = self._tokens, request.num_tokens
-        for token in request.tokens(self._count, total):
-            data += token.to_bytes(_WIDTH, "little")
-        self._count = total
-        # Matches must end before the last token, so that something follows them.
-        end = len(data) - _WIDTH
-        for n in range(min(NGRAM_MAX, total - 1), NGRAM_MIN - 1, -1):
-            needle = bytes(data[-n * _WIDTH :])
-            stop = end
-            while (at := data.rfind(needle, 0, stop)) >= 0:
-                if at % _WIDTH == 0:  # not a match straddling token boundaries
-                    follow = at // _WIDTH + n
-                    return request.tokens(follow, min(follow + k, total))
-                stop = at + len(needle) - 1
-        return []
