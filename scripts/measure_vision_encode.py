@@ -19,7 +19,7 @@ import torch
 
 from gapless.kernels import resolve_dtype, select
 from gapless.model.families import vit
-from gapless.model.loader import Weights
+from gapless.model.weights import Weights
 
 VIT_L_336 = {
     "model_type": "clip_vision_model",

@@ -17,18 +17,6 @@ import tokenizers
 
 from gapless.model.demo import build_bpe_tokenizer, stdlib_sources, write_tokenizer_files
 
-ARCHS = (
-    "llama",
-    "llama_linear",
-    "qwen2",
-    "qwen3",
-    "mistral",
-    "gemma3",
-    "phi3",
-    "smollm3",
-    "gemma2",
-)
-
 TEST_VOCAB_SIZE = 512
 
 # Repeated so BPE learns merges inside multi-byte characters: the vocab then has pieces that
@@ -147,7 +135,8 @@ ARCH_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "final_logit_softcapping": 8.0,
         },
     ),
-    # Mixtures of experts (tests/test_moe.py; not in ARCHS, whose tests would run them twice).
+    # Mixtures of experts (MOE_ARCHS, tests/test_moe.py; not in ARCHS, whose tests would run
+    # them twice).
     # 3 layers, the middle one dense (mlp_only_layers); 8 experts, 3 chosen per token.
     "qwen3_moe": (
         "Qwen3MoeForCausalLM",
@@ -194,6 +183,10 @@ ARCH_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
 }
+
+# The dense checkpoints, which test_model's parity tests run, and the mixtures of experts.
+ARCHS = tuple(a for a, (*_, keys) in ARCH_SPECS.items() if "num_experts_per_tok" not in keys)
+MOE_ARCHS = tuple(a for a in ARCH_SPECS if a not in ARCHS)
 
 
 @lru_cache(maxsize=1)

@@ -66,6 +66,11 @@ def ext(request):
     return built
 
 
+def test_the_tests_cover_every_type_the_kernels_have(ext):
+    """A GGUF type added to the kernels (csrc/) gets these tests by its line in TYPES."""
+    assert {t for t in gguf.GGMLQuantizationType if ext.has_type(t)} == set(TYPES)
+
+
 def weight(qtype: int, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     """Random codes and sub-block scales, the f16 fields finite, of a real model's magnitude
     and either sign."""

@@ -491,3 +491,23 @@ def test_a_step_that_raises_as_its_prompt_forks_leaves_no_block_behind(make_engi
         engine.step()
     engine.fail_all("the step failed")
     assert engine.pool.num_used == 0 and not engine.has_work
+
+
+def test_llm_sets_its_process_up_as_gapless_serve_does(checkpoint, monkeypatch):
+    """LLM builds through engine/builder.py as the server does: the thread count it is given,
+    and the largest step the engine can schedule run once before the first request."""
+    from gapless import LLM
+
+    largest: list[tuple[int, int]] = []
+    monkeypatch.setattr(
+        ModelRunner, "run_largest_step", lambda self, n, context: largest.append((n, context))
+    )
+    threads = torch.get_num_threads()
+    try:
+        llm = LLM(str(checkpoint("llama")), num_threads=1, kv_cache_tokens=1024)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    engine = llm.engine
+    context = min(engine.max_model_len, engine.pool.num_blocks * engine.pool.block_size)
+    assert largest == [(min(engine.scheduler.max_step_tokens, context), context)]

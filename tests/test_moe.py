@@ -16,6 +16,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from checkpoints import MOE_ARCHS
 from gguf import GGMLQuantizationType as QType
 from helpers import require_our_kernels
 from safetensors.numpy import load_file, save_file
@@ -37,7 +38,8 @@ from gapless.kernels.linear import BlockLinear, PackedLinear, PlainLinear
 from gapless.kernels.moe import Experts
 from gapless.kernels.probe import packed_linear_works, step_ops_work
 from gapless.kernels.quant import BlockQuant
-from gapless.model.config import ConfigError, ModelConfig
+from gapless.model import families
+from gapless.model.config import ConfigError
 from gapless.model.families.qwen3_moe import MoeLayer
 from gapless.model.gguf import load_gguf
 from gapless.model.loader import load_decoder
@@ -53,7 +55,7 @@ VARIANTS = {
     "mixtral": ("mixtral", {}),
     "gpt_oss": ("gpt_oss", {}),
 }
-ARCHS = ["qwen3_moe", "mixtral", "gpt_oss"]
+ARCHS = MOE_ARCHS
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -237,7 +239,7 @@ def test_mxfp4_gpt_oss_is_refused_saying_how_to_dequantize(checkpoint):
     raw = json.loads((checkpoint("gpt_oss") / "config.json").read_text())
     raw["quantization_config"] = {"quant_method": "mxfp4"}  # as OpenAI's checkpoints have it
     with pytest.raises(ConfigError, match=r"MXFP4 .*Mxfp4Config\(dequantize=True\)"):
-        ModelConfig.from_dict(raw)
+        families.model_config(raw)
 
 
 def on_mxfp4_grid(ckpt, out):

@@ -18,6 +18,7 @@ from gapless.bench.roofline import (
     linear_params,
 )
 from gapless.cli import main
+from gapless.model import families
 from gapless.model.config import ModelConfig
 
 # The tiny preset: hidden 64, 2 layers, 4 heads x 16, 2 KV heads, MLP 128, vocab 512,
@@ -33,7 +34,7 @@ KV_BYTES_PER_KEY_BF16 = 2 * 2 * 16 * 2  # K and V, per layer
 
 @pytest.fixture
 def tiny_cfg() -> ModelConfig:
-    return ModelConfig.from_dict(model_config("tiny"))
+    return families.model_config(model_config("tiny"))
 
 
 def test_counts_match_hand_arithmetic(tiny_cfg: ModelConfig) -> None:
@@ -59,7 +60,7 @@ def test_sliding_window_caps_keys() -> None:
         "sliding_window": 4,
         "use_sliding_window": True,
     }
-    cfg = ModelConfig.from_dict(raw)
+    cfg = families.model_config(raw)
     # Positions 2..5 see min(p + 1, 4) = 3, 4, 4, 4 keys in each of 2 layers.
     assert attended_keys(cfg, 2, 4) == 30
     assert decode_bytes(cfg, [100], 2) - decode_bytes(cfg, [3], 2) == 0

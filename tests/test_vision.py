@@ -532,13 +532,13 @@ BARE_TEXT_CONFIGS = {
 def test_bare_text_configs_read_as_transformers_reads_them(name: str) -> None:
     import transformers as tf
 
-    from gapless.model.config import ModelConfig
+    from gapless.model import families
     from gapless.model.vision import vision_family_of
 
     config_class, text = BARE_TEXT_CONFIGS[name]
     raw = {"architectures": [config_class.replace("Config", "ForConditionalGeneration")]}
     raw["text_config"] = text
-    ours = ModelConfig.from_dict(vision_family_of(raw["architectures"][0]).text_config(raw))
+    ours = families.model_config(vision_family_of(raw["architectures"][0]).text_config(raw))
     theirs = getattr(tf, config_class)(text_config=dict(text)).text_config
     kinds, window = getattr(theirs, "layer_types", None), getattr(theirs, "sliding_window", None)
     if kinds is None:  # Llama's: no window; Mistral's: its window on every layer

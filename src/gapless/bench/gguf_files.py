@@ -15,7 +15,6 @@ against readers of the same file (transformers' GGUF loader, gguf.quants.dequant
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -24,22 +23,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 from safetensors.torch import load_file
 
-from gapless.model.families import family_of
+from gapless.model.families import common, family_of, gguf_architecture
 from gapless.model.gguf import gguf_name
-
-_ARCH = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma3ForCausalLM": "gemma3",
-    "Phi3ForCausalLM": "phi3",
-    "SmolLM3ForCausalLM": "smollm3",
-    "Gemma2ForCausalLM": "gemma2",
-    "Qwen3MoeForCausalLM": "qwen3moe",
-    "MixtralForCausalLM": "llama",  # a `llama` file with experts
-    "GptOssForCausalLM": "gpt-oss",
-}
-_EXPERT = re.compile(r"experts\.(\d+)\.")
 
 
 def permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -163,7 +148,7 @@ def write_gguf(
     Q4_K_M file gives some tensors more bits. pad_vocab: the token list padded to the
     config's vocab_size (see add_byte_level_tokenizer), so that llama.cpp loads the file."""
     cfg = json.loads((ckpt / "config.json").read_text())
-    arch = _ARCH[cfg["architectures"][0]]
+    arch = gguf_architecture(cfg["architectures"][0])
     family = family_of(cfg["architectures"][0])
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -222,7 +207,7 @@ def write_gguf(
             w = permute_rope_rows(w, heads if "q_proj" in hf_name else kv_heads)
         if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             w = w + 1  # llama.cpp's converter stores Gemma's (1 + w)
-        if expert := _EXPERT.search(hf_name):
+        if expert := common.EXPERT.search(hf_name):
             experts.setdefault(name, {})[int(expert[1])] = w
         else:
             tensors[name] = w

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gapless.model.config import ModelConfig
+from gapless.model import families
 from gapless.model.loader import expected_shapes
 
 # Qwen3-30B-A3B at half its width (hidden 2048, experts of 768), 4 of its 48 layers and a
@@ -84,7 +84,7 @@ def model_config(preset: str) -> dict:
 
 def tensor_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor of the config's checkpoint, as its family declares them."""
-    return list(expected_shapes(ModelConfig.from_dict(cfg)).items())
+    return list(expected_shapes(families.model_config(cfg)).items())
 
 
 def write_random_safetensors(

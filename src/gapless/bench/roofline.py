@@ -26,6 +26,7 @@ import torch
 
 from gapless.kernels import resolve_dtype
 from gapless.kernels.machine import machine
+from gapless.model import families
 from gapless.model.config import ModelConfig
 from gapless.model.loader import expected_shapes
 
@@ -414,7 +415,7 @@ def roofline_main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     print(f"torch threads: {threads}", flush=True)
-    cfg = ModelConfig.from_pretrained(args.model_dir)
+    cfg = families.read_config_json(args.model_dir)
     cpu = machine()
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     sizes = _sizes(args.quick)

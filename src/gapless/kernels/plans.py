@@ -28,17 +28,29 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
 from gapless.kernels import attention, paged
 
-if TYPE_CHECKING:
-    from gapless.kernels import Kernels
-
 KVCache = tuple[Tensor, Tensor]  # one layer's keys and values, [blocks, block_size, Hkv, D]
+
+
+class PathChoices(Protocol):
+    """What picking a path reads of the machine's kernels (kernels.Kernels has it)."""
+
+    in_place_attention: bool
+    fold_max_queries: int
+    max_history_runs: int
+
+    @property
+    def kv_dtype(self) -> torch.dtype: ...
+
+    def decodes_paged(self, head_dim: int) -> bool: ...
+
+    def prefills_paged(self, head_dim: int) -> bool: ...
 
 
 class AttentionPlan(Protocol):
@@ -252,7 +264,7 @@ class AttentionLayout:
 class Planner:
     """Picks the path of each part of a step's batch (see the module's docstring)."""
 
-    kernels: Kernels
+    kernels: PathChoices
     layout: AttentionLayout
 
     def plan(self, spans: list[Span]) -> list[AttentionPlan]:

@@ -9,6 +9,7 @@ import torch
 from gapless.device import release_freed_memory
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder
+from gapless.model.families import read_config_json
 from gapless.model.gguf import is_gguf, load_gguf, read_gguf_config
 from gapless.model.loader import load_decoder
 from gapless.model.parallel import TensorParallel
@@ -37,4 +38,4 @@ def load_model(
 
 def read_model_config(path: str | Path) -> ModelConfig:
     """The model's configuration alone, without reading its weights."""
-    return read_gguf_config(path) if is_gguf(path) else ModelConfig.from_pretrained(path)
+    return read_gguf_config(path) if is_gguf(path) else read_config_json(path)

@@ -2,14 +2,12 @@
 
 `ModelConfig` holds what every family has and what the engine reads (sizes, heads, layer
 windows, stop ids); each family (model/families/) subclasses it with its own fields and reads
-its own keys. `ModelConfig.from_dict` hands the keys to the family the `architectures` name.
+its own keys (families.model_config hands them to the family the `architectures` name).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -47,21 +45,6 @@ class ModelConfig:
         if any(w is None for w in self.layer_windows):
             return None
         return max(self.layer_windows)  # type: ignore[type-var]
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise ConfigError(f"no config.json in {path}")
-        return cls.from_dict(json.loads(config_path.read_text()))
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> ModelConfig:
-        """The config of the family that reads raw's architecture (a ModelConfig subclass)."""
-        from gapless.model.families import family_of
-
-        archs = raw.get("architectures") or []
-        return family_of(archs[0] if archs else None).config(raw)
 
 
 def parse_rope(rope: dict | None, default_theta: float) -> tuple[float, str, dict]:

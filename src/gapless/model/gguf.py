@@ -26,7 +26,7 @@ from gapless.kernels import Kernels, blocks, resolve_dtype, select
 from gapless.kernels.quant import BlockQuant, GroupQuant
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder
-from gapless.model.families import common, family_of, gguf_family
+from gapless.model.families import common, family_of, gguf_family, model_config
 from gapless.model.gguf_tokenizer import field_value, tokenizer_from_gguf
 from gapless.model.loader import (
     Weight,
@@ -182,7 +182,7 @@ def read_config(reader: gguf.GGUFReader) -> ModelConfig:
         "mlp_bias": "blk.0.ffn_gate.bias" in names,
         "bos_token_id": field_value(reader, "tokenizer.ggml.bos_token_id"),
     }
-    return ModelConfig.from_dict(family.gguf_config(raw, meta))
+    return model_config(family.gguf_config(raw, meta))
 
 
 class _Reader(gguf.GGUFReader):

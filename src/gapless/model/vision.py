@@ -31,10 +31,10 @@ import torch
 from PIL import Image
 
 from gapless.kernels import resolve_dtype, select
-from gapless.model.config import ConfigError, ModelConfig
+from gapless.model.config import ConfigError
 from gapless.model.decoder import Decoder
 from gapless.model.encode_steps import EncodeSteps
-from gapless.model.families import gemma3_vision, llava, qwen2_5_vl
+from gapless.model.families import gemma3_vision, llava, model_config, qwen2_5_vl
 from gapless.model.images import ImageProcessor, PreparedImage
 from gapless.model.loader import (
     WeightError,
@@ -136,7 +136,7 @@ def load_vision_language(
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     family = vision_family_of((raw.get("architectures") or [None])[0])
-    cfg = ModelConfig.from_dict(family.text_config(raw))
+    cfg = model_config(family.text_config(raw))
     vcfg = family.config(raw, cfg.hidden_size)
     dev = torch.device(device)
     kernels = select(dev, resolve_dtype(dtype, dev, False), False)

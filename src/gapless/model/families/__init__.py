@@ -13,7 +13,7 @@ A family module declares, in plain torch over the kernels seam:
 - from_gguf(cfg, name, w) -> w: a GGUF tensor, under its Hugging Face name, as the checkpoint
   holds it (llama.cpp's converters permute rows or shift norms for some families);
 - build(cfg, weights) -> decoder.Body: its layers and final norm, from the checked weights
-  (loader.Weights hands out norms and fused linears); a layer's `forward(x, step, kv_cache)`
+  (weights.Weights hands out norms and fused linears); a layer's `forward(x, step, kv_cache)`
   runs it over a step's batch (decoder.Step: rotations, KV write and attention, all-reduce).
 
 Optionally, split_fused(cfg, weights) -> weights: a checkpoint's fused projections split into
@@ -27,9 +27,11 @@ module here, listed in FAMILIES, and its parity test against transformers.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import ModuleType
 
-from gapless.model.config import ConfigError
+from gapless.model.config import ConfigError, ModelConfig
 from gapless.model.families import (
     gemma2,
     gemma3,
@@ -74,6 +76,20 @@ def family_of(architecture: str | None) -> ModuleType:
             return family
     names = [name for family in FAMILIES for name in family.ARCHITECTURES]
     raise ConfigError(f"unsupported architecture {architecture!r}; supported: {', '.join(names)}")
+
+
+def model_config(raw: dict) -> ModelConfig:
+    """The config of the family that reads raw's architecture (its ModelConfig subclass)."""
+    architectures = raw.get("architectures") or []
+    return family_of(architectures[0] if architectures else None).config(raw)
+
+
+def read_config_json(path: str | Path) -> ModelConfig:
+    """The config of a checkpoint directory's config.json."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"no config.json in {path}")
+    return model_config(json.loads(config_path.read_text()))
 
 
 def gguf_family(architecture: str) -> tuple[ModuleType, str]:

@@ -35,7 +35,7 @@ Shapes = dict[str, tuple[int, ...]]
 
 # A layer's tensor names with every expert's module as one: mlp.experts.{e}.up_proj is
 # mlp.experts.up_proj (as llama.cpp stacks them, and as tensor parallelism cuts them alike).
-EXPERT = re.compile(r"experts\.\d+\.")
+EXPERT = re.compile(r"experts\.(\d+)\.")
 
 # Tensor parallelism (model/parallel.py): module -> how its weight is cut over the ranks. By
 # rows: "q" (the query heads' rows), "kv" (the KV heads'), "mlp" (the MLP's), "expert" (each

@@ -24,7 +24,7 @@ from gapless.model.families.common import Meta, Shapes
 from gapless.model.families.gemma3 import GemmaConfig
 
 if TYPE_CHECKING:
-    from gapless.model.loader import Weights
+    from gapless.model.weights import Weights
 
 ARCHITECTURES = ("Gemma2ForCausalLM",)
 GGUF_ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM"}

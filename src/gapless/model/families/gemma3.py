@@ -28,7 +28,7 @@ from gapless.model.families import common
 from gapless.model.families.common import Meta, Shapes
 
 if TYPE_CHECKING:
-    from gapless.model.loader import Weights
+    from gapless.model.weights import Weights
 
 ARCHITECTURES = ("Gemma3ForCausalLM",)
 GGUF_ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM"}

@@ -29,7 +29,7 @@ from gapless.model.families.gemma3 import GemmaNorm, gemma_norm
 from gapless.model.images import PreparedImage
 
 if TYPE_CHECKING:
-    from gapless.model.loader import Weights
+    from gapless.model.weights import Weights
 
 ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 TOWER = "vision_tower."

@@ -51,7 +51,7 @@ from gapless.model.families.common import Meta, Shapes
 from gapless.model.families.qwen3_moe import MoeConfig, MoeNames
 
 if TYPE_CHECKING:
-    from gapless.model.loader import Weight, Weights
+    from gapless.model.weights import Weight, Weights
 
 ARCHITECTURES = ("GptOssForCausalLM",)
 GGUF_ARCHITECTURES = {"gpt-oss": "GptOssForCausalLM"}

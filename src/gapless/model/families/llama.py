@@ -23,7 +23,7 @@ from gapless.model.families import common
 from gapless.model.families.common import Meta, Shapes
 
 if TYPE_CHECKING:
-    from gapless.model.loader import Weights
+    from gapless.model.weights import Weights
 
 # architecture -> (q/k/v bias by default, per-head q/k RMSNorm, honours sliding_window by default)
 ARCHITECTURES: dict[str, tuple[bool, bool, bool]] = {
@@ -77,11 +77,13 @@ def config(raw: dict, flags: tuple[bool, bool, bool] | None = None) -> LlamaConf
 
 def gguf_config(raw: dict, meta: Meta) -> dict:
     """config.json's keys of a GGUF file: the keys every llama.cpp file shares say it all,
-    but a `llama` file with experts is Mixtral's."""
+    but a `llama` file with experts is Mixtral's (families/mixtral.py)."""
     if meta("expert_count", 0):
-        from gapless.model.families import mixtral  # built on this module: imported late
-
-        return mixtral.gguf_config(raw, meta)
+        return raw | {
+            "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": meta("expert_count", None),
+            "num_experts_per_tok": meta("expert_used_count", None),
+        }
     return raw
 
 

@@ -25,7 +25,7 @@ from gapless.model.families.common import Shapes, linear_shapes
 from gapless.model.images import PreparedImage
 
 if TYPE_CHECKING:
-    from gapless.model.loader import Weights
+    from gapless.model.weights import Weights
 
 ARCHITECTURES = ("LlavaForConditionalGeneration",)
 TOWER = "vision_tower."

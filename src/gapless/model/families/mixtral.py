@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 
 from gapless.model.decoder import Body
 from gapless.model.families import common, llama, qwen3_moe
-from gapless.model.families.common import Meta, Shapes
+from gapless.model.families.common import Shapes
 from gapless.model.families.qwen3_moe import MoeConfig, MoeNames
 
 if TYPE_CHECKING:
-    from gapless.model.loader import Weights
+    from gapless.model.weights import Weights
 
 ARCHITECTURES = ("MixtralForCausalLM",)
-GGUF_ARCHITECTURES: dict[str, str] = {}  # `llama` files: llama.gguf_config hands them here
+GGUF_ARCHITECTURES: dict[str, str] = {}  # `llama` files, which llama.gguf_config reads
 GGUF_NAMES = common.GGUF_NAMES | {
     "block_sparse_moe.gate": "ffn_gate_inp",
     "block_sparse_moe.experts.w1": "ffn_gate_exps",
@@ -52,14 +52,6 @@ def config(raw: dict) -> MoeConfig:
         norm_topk_prob=True,  # a softmax over the chosen: their weights sum to 1
         sparse_layers=(True,) * cfg.num_layers,
     )
-
-
-def gguf_config(raw: dict, meta: Meta) -> dict:
-    return raw | {
-        "architectures": ["MixtralForCausalLM"],
-        "num_local_experts": meta("expert_count", None),
-        "num_experts_per_tok": meta("expert_used_count", None),
-    }
 
 
 def tensor_shapes(cfg: MoeConfig) -> Shapes:

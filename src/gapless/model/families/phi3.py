@@ -31,7 +31,7 @@ from gapless.model.families.common import Meta, Shapes
 from gapless.model.families.llama import LlamaConfig
 
 if TYPE_CHECKING:
-    from gapless.model.loader import Weight, Weights
+    from gapless.model.weights import Weight, Weights
 
 ARCHITECTURES = ("Phi3ForCausalLM",)
 GGUF_ARCHITECTURES = {"phi3": "Phi3ForCausalLM"}

@@ -32,7 +32,7 @@ from gapless.model.families.common import Meta, Shapes
 from gapless.model.families.llama import LlamaConfig
 
 if TYPE_CHECKING:
-    from gapless.model.loader import Weight, Weights
+    from gapless.model.weights import Weight, Weights
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 GGUF_ARCHITECTURES = {"qwen3moe": "Qwen3MoeForCausalLM"}

@@ -21,7 +21,7 @@ from gapless.model.families.common import Meta
 from gapless.model.families.llama import LlamaConfig
 
 if TYPE_CHECKING:
-    from gapless.model.loader import Weights
+    from gapless.model.weights import Weights
 
 ARCHITECTURES = ("SmolLM3ForCausalLM",)
 GGUF_ARCHITECTURES = {"smollm3": "SmolLM3ForCausalLM"}

@@ -26,7 +26,7 @@ from gapless.model.config import ConfigError
 from gapless.model.families.common import Shapes, linear_shapes
 
 if TYPE_CHECKING:
-    from gapless.model.loader import Weights
+    from gapless.model.weights import Weights
 
 MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")
 
