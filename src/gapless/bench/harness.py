@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 class Harness:
     def __init__(self, runner: ModelRunner) -> None:
         if runner.window_blocks:
-            raise ValueError("the harness keeps one block table: a runner without window groups")
+            raise ValueError("the harness keeps one block table: no sliding-window KV groups")
         self.runner = runner
         self.pool = BlockPool(runner.num_blocks, runner.block_size)
         self._made = 0
