@@ -18,11 +18,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from gapless.bench.harness import Harness
 from gapless.bench.roofline import median_time
-from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
-from gapless.engine.sampling_params import SamplingParams
 from gapless.model.loader import load_decoder
 
 BLOCK = 16
@@ -31,22 +30,23 @@ BLOCK = 16
 def ours(path: Path, dtype: str, prompt: int, batch_sizes: list[int], context: int, reps: int):
     decoder = load_decoder(path, dtype)
     per_seq = -(-(max(prompt, context) + 2) // BLOCK)
-    runner = ModelRunner(decoder, per_seq * max(batch_sizes), BLOCK)
+    harness = Harness(ModelRunner(decoder, per_seq * max(batch_sizes), BLOCK))
     gen = torch.Generator().manual_seed(0)
 
-    def request(n: int, computed: int, seq: int) -> Request:
+    def request(n: int, cached: int) -> Request:
         ids = torch.randint(0, decoder.config.vocab_size, (n,), generator=gen).tolist()
-        req = Request(f"r{seq}", ids, SamplingParams())
-        req.num_computed = computed
-        req.block_table = list(range(seq * per_seq, (seq + 1) * per_seq))
-        return req
+        return harness.request(ids, cached=cached)
 
-    fresh = request(prompt, 0, 0)
-    prefill = median_time(lambda: runner.execute([ScheduledChunk(fresh, prompt)], set()), reps)
+    # Unbooked steps: each rep runs the same chunk at the same context.
+    fresh = request(prompt, 0)
+    prefill = median_time(lambda: harness.step([(fresh, prompt)], book=False), reps)
+    harness.release(fresh)
     decode = {}
     for b in batch_sizes:
-        chunks = [ScheduledChunk(request(context + 1, context, i), 1) for i in range(b)]
-        decode[b] = median_time(lambda chunks=chunks: runner.execute(chunks, set()), reps)
+        chunks = [(request(context + 1, context), 1) for _ in range(b)]
+        decode[b] = median_time(lambda chunks=chunks: harness.step(chunks, book=False), reps)
+        for r, _ in chunks:
+            harness.release(r)
     return prefill, decode
 
 

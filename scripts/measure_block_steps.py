@@ -18,10 +18,9 @@ import time
 import torch
 
 import gapless.kernels.probe
-from gapless.engine.plan import ScheduledChunk
+from gapless.bench.harness import Harness
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
-from gapless.engine.sampling_params import SamplingParams
 from gapless.model.checkpoint import load_model
 
 CONTEXT, CHUNK = 256, 512
@@ -48,32 +47,28 @@ def main() -> None:
     loaded = rss_mib()
     streams = 4
     seq_blocks = (CONTEXT + args.rounds + CHUNK) // 16 + 2
-    runner = ModelRunner(decoder, (streams + 1) * seq_blocks, 16)
+    harness = Harness(ModelRunner(decoder, (streams + 1) * seq_blocks, 16))
     gen = torch.Generator().manual_seed(0)
     vocab = decoder.config.vocab_size
 
-    def request(i: int, n: int) -> Request:
-        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-        req = Request(f"r{i}", ids, SamplingParams())
-        req.block_table = list(range(i * seq_blocks, (i + 1) * seq_blocks))
-        return req
+    def request(n: int) -> Request:
+        return harness.request(torch.randint(0, vocab, (n,), generator=gen).tolist())
 
     def step(chunks: list[tuple[Request, int]]) -> float:
         start = time.perf_counter()
-        runner.execute([ScheduledChunk(r, n) for r, n in chunks], set())
-        for r, n in chunks:
-            r.num_computed += n
+        harness.step(chunks)
         return time.perf_counter() - start
 
-    decodes = [request(i, CONTEXT + 2 * args.rounds + 4) for i in range(streams)]
+    decodes = [request(CONTEXT + 2 * args.rounds + 4) for _ in range(streams)]
     for r in decodes:
         step([(r, CONTEXT)])
     one = [step([(decodes[0], 1)]) for _ in range(args.rounds)]
     four = [step([(r, 1) for r in decodes]) for _ in range(args.rounds)]
     mixed = []
     for _ in range(3):  # a fresh prompt's first chunk beside the 4 decodes; the first warms up
-        prompt = request(streams, CHUNK)
+        prompt = request(CHUNK)
         mixed.append(step([*((r, 1) for r in decodes), (prompt, CHUNK)]))
+        harness.release(prompt)
     print(decoder.kernels.describe())
     print(
         f"decode b1 {1e3 * statistics.median(one):.1f} ms, b4 {1e3 * statistics.median(four):.1f}"

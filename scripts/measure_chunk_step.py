@@ -18,10 +18,8 @@ import time
 
 import torch
 
-from gapless.engine.plan import ScheduledChunk
-from gapless.engine.request import Request
+from gapless.bench.harness import Harness
 from gapless.engine.runner import ModelRunner
-from gapless.engine.sampling_params import SamplingParams
 from gapless.kernels import blocks
 from gapless.model.checkpoint import load_model
 
@@ -44,15 +42,15 @@ def main() -> None:
     arms = {"blocks, interleaved": interleaved, "blocks, file layout": file_layout, "dense": dense}
     for name, decoder in arms.items():
         print(f"{name}: {decoder.kernels.describe()}")
-    runners = {name: ModelRunner(d, CHUNK // BLOCK, BLOCK) for name, d in arms.items()}
+    harnesses = {name: Harness(ModelRunner(d, CHUNK // BLOCK, BLOCK)) for name, d in arms.items()}
     ids = torch.randint(0, dense.config.vocab_size, (CHUNK,)).tolist()
+    # Unbooked, each step runs the prompt again from its first token: a fresh prompt each time.
+    prompts = {name: harness.request(ids) for name, harness in harnesses.items()}
     times: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(args.rounds + 1):
-        for name, runner in runners.items():
-            req = Request("prompt", ids, SamplingParams())
-            req.block_table = list(range(CHUNK // BLOCK))
+        for name, harness in harnesses.items():
             start = time.perf_counter()
-            runner.execute([ScheduledChunk(req, CHUNK)], set())
+            harness.step([(prompts[name], CHUNK)], book=False)
             times[name].append(time.perf_counter() - start)
     medians = {name: 1e3 * statistics.median(t[1:]) for name, t in times.items()}
     print(

@@ -7,10 +7,8 @@ import time
 
 import torch
 
-from gapless.engine.plan import ScheduledChunk
-from gapless.engine.request import Request
+from gapless.bench.harness import Harness
 from gapless.engine.runner import ModelRunner
-from gapless.engine.sampling_params import SamplingParams
 from gapless.model.default_model import installed_default_model
 from gapless.model.gguf import load_gguf
 
@@ -36,9 +34,8 @@ def main() -> None:
     print(f"transformers from_pretrained(gguf_file=...): {time.perf_counter() - start:.1f} s")
     with torch.no_grad():
         want = hf.eval()(torch.tensor([ids])).logits[0]
-    request = Request("r", ids, SamplingParams())
-    request.block_table = list(range(len(ids) // 16 + 1))
-    got = ModelRunner(decoder, 8, 16).execute([ScheduledChunk(request, len(ids))], {0})[0]
+    harness = Harness(ModelRunner(decoder, 8, 16))
+    got = harness.step([(harness.request(ids), len(ids))], all_logits=True)[0]
     print(f"{len(ids)} tokens, max abs logit diff: {(got - want).abs().max().item():.2e}")
 
 

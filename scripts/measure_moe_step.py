@@ -21,11 +21,9 @@ from pathlib import Path
 
 import torch
 
+from gapless.bench.harness import Harness
 from gapless.bench.make_model import make_model
-from gapless.engine.plan import ScheduledChunk
-from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
-from gapless.engine.sampling_params import SamplingParams
 from gapless.model.loader import load_decoder
 
 PRESETS = ("qwen3-30b-a3b-narrow", "qwen3-30b-a3b-narrow-dense")
@@ -38,22 +36,20 @@ class Decoding:
     def __init__(self, path: Path, dtype: str, context: int, steps: int, batch: int) -> None:
         self.decoder = load_decoder(path, dtype)
         per = (context + steps) // 16 + 2
-        self.runner = ModelRunner(self.decoder, per * batch, 16)
+        self.harness = Harness(ModelRunner(self.decoder, per * batch, 16))
         gen = torch.Generator().manual_seed(0)
         vocab = self.decoder.config.vocab_size
-        self.requests = []
-        for i in range(batch):
-            ids = torch.randint(0, vocab, (context + steps,), generator=gen).tolist()
-            request = Request(f"r{i}", ids, SamplingParams())
-            request.block_table = list(range(i * per, (i + 1) * per))
-            self.requests.append(request)
+        self.requests = [
+            self.harness.request(
+                torch.randint(0, vocab, (context + steps,), generator=gen).tolist()
+            )
+            for _ in range(batch)
+        ]
         self.step(context)
 
     def step(self, tokens: int = 1) -> float:
         start = time.perf_counter()
-        self.runner.execute([ScheduledChunk(r, tokens) for r in self.requests], set())
-        for r in self.requests:
-            r.num_computed += tokens
+        self.harness.step([(r, tokens) for r in self.requests])
         return time.perf_counter() - start
 
 

@@ -16,53 +16,45 @@ import time
 
 import torch
 
+from gapless.bench.harness import Harness
 from gapless.device import tune_allocator
-from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
-from gapless.engine.sampling_params import SamplingParams
 from gapless.kernels import Kernels
 from gapless.model.loader import load_decoder
 
 ROUNDS, BLOCK = 8, 16
 
 
-def prefilled(runner: ModelRunner, batch: int, context: int) -> list[Request]:
-    """batch sequences with context tokens cached, each in its own blocks, and room for
-    ROUNDS * 2 more tokens or one chunk."""
-    per_seq = runner.num_blocks // batch
+def prefilled(harness: Harness, batch: int, context: int) -> list[Request]:
+    """batch sequences with context tokens cached, and tokens for ROUNDS * 2 more or one
+    chunk."""
+    per_seq = harness.runner.num_blocks // batch
     requests = []
-    for b in range(batch):
-        ids = [int(i) for i in torch.randint(100, 4000, (per_seq * BLOCK,))]
-        request = Request(f"d{b}", ids, SamplingParams())
-        request.block_table = list(range(b * per_seq, (b + 1) * per_seq))
+    for _ in range(batch):
+        request = harness.request([int(i) for i in torch.randint(100, 4000, (per_seq * BLOCK,))])
         for start in range(0, context, 2048):
-            n = min(2048, context - start)
-            runner.execute([ScheduledChunk(request, n)], set())
-            request.num_computed += n
+            harness.step([(request, min(2048, context - start))])
         requests.append(request)
     return requests
 
 
-def step(runner: ModelRunner, requests: list[Request], tokens: int) -> float:
+def step(harness: Harness, requests: list[Request], tokens: int) -> float:
     """A decode step (tokens 1), or the same prompt chunk again."""
     start = time.perf_counter()
-    runner.execute([ScheduledChunk(r, tokens) for r in requests], set())
-    if tokens == 1:
-        for r in requests:
-            r.num_computed += 1
+    harness.step([(r, tokens) for r in requests], book=tokens == 1)
     return time.perf_counter() - start
 
 
 def compare(
-    kernels: Kernels, switch: str, runner: ModelRunner, requests: list[Request], tokens: int
+    kernels: Kernels, switch: str, harness: Harness, requests: list[Request], tokens: int
 ) -> str:
     """Median ms per step without and with the kernel, and their ratio."""
     times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(ROUNDS):
         for paged in (False, True):
             setattr(kernels, switch, paged)
-            times[paged].append(step(runner, requests, tokens))
+            times[paged].append(step(harness, requests, tokens))
     setattr(kernels, switch, True)
     before, ours = (1e3 * statistics.median(times[p]) for p in (False, True))
     return f"{before:10.1f} {ours:7.1f} {before / ours:5.2f}x"
@@ -93,12 +85,14 @@ def main() -> None:
         for size, history in shapes:
             # A decode step of `size` sequences, or one prompt chunk of `size` tokens.
             batch, tokens = (size, 1) if switch == "paged_decode" else (1, size)
-            runner = ModelRunner(decoder, batch * ((history + tokens) // BLOCK + 4), BLOCK)
-            requests = prefilled(runner, batch, history)
-            print(
-                f"{size:5} {history:7} {compare(decoder.kernels, switch, runner, requests, tokens)}"
+            harness = Harness(
+                ModelRunner(decoder, batch * ((history + tokens) // BLOCK + 4), BLOCK)
             )
-            del runner
+            requests = prefilled(harness, batch, history)
+            print(
+                f"{size:5} {history:7} {compare(decoder.kernels, switch, harness, requests, tokens)}"
+            )
+            del harness
 
 
 if __name__ == "__main__":

@@ -17,10 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from gapless.engine.plan import ScheduledChunk
-from gapless.engine.request import Request
+from gapless.bench.harness import Harness
 from gapless.engine.runner import ModelRunner
-from gapless.engine.sampling_params import SamplingParams
 from gapless.model.decoder import Decoder
 from gapless.model.default_model import installed_default_model
 from gapless.model.gguf import load_gguf
@@ -31,14 +29,12 @@ TEXT = Path("/usr/share/common-licenses/GPL-3")
 
 def logits(decoder: Decoder, ids: list[int], chunk: int) -> torch.Tensor:
     """Every position's logits, the prompt run in chunks of `chunk` tokens."""
-    runner = ModelRunner(decoder, len(ids) // 16 + 2, 16)
-    request = Request("r", ids, SamplingParams())
-    request.block_table = list(range(len(ids) // 16 + 1))
+    harness = Harness(ModelRunner(decoder, len(ids) // 16 + 2, 16))
+    request = harness.request(ids)
     out = []
     for start in range(0, len(ids), chunk):
         n = min(chunk, len(ids) - start)
-        out.append(runner.execute([ScheduledChunk(request, n)], {0})[0])
-        request.num_computed += n
+        out.append(harness.step([(request, n)], all_logits=True)[0])
     return torch.cat(out)
 
 

@@ -12,10 +12,9 @@ import time
 
 import torch
 
-from gapless.engine.plan import ScheduledChunk
+from gapless.bench.harness import Harness
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
-from gapless.engine.sampling_params import SamplingParams
 from gapless.model.gguf import is_gguf, load_gguf
 from gapless.model.loader import load_decoder
 
@@ -30,11 +29,10 @@ RUNS = [  # (dtype, quantize)
 ]
 
 
-def run(runner: ModelRunner, request: Request, n: int) -> float:
+def run(harness: Harness, request: Request, n: int, book: bool = True) -> float:
     """Seconds to run the request's next n tokens."""
     start = time.perf_counter()
-    runner.execute([ScheduledChunk(request, n)], set())
-    request.num_computed += n
+    harness.step([(request, n)], book=book)
     return time.perf_counter() - start
 
 
@@ -53,24 +51,21 @@ def main() -> None:
             decoder = load_gguf(model_dir, dtype)[0]
         else:
             decoder = load_decoder(model_dir, dtype, quantize=quantize)
-        blocks = len(ids) // 16 + 2
-        runner = ModelRunner(decoder, blocks, 16)
-
-        prefill = []
-        for _ in range(3):  # a fresh 512-token prompt each time, the first a warm-up
-            request = Request("p", ids[:CHUNK], SamplingParams())
-            request.block_table = list(range(CHUNK // 16))
-            prefill.append(run(runner, request, CHUNK))
-        request = Request("d", ids[: CONTEXT + DECODE_STEPS], SamplingParams())
-        request.block_table = list(range((CONTEXT + DECODE_STEPS) // 16 + 1))
-        run(runner, request, CONTEXT)
-        decode = [run(runner, request, 1) for _ in range(DECODE_STEPS)]
+        harness = Harness(ModelRunner(decoder, len(ids) // 16 + 2, 16))
+        # A fresh 512-token prompt each time (unbooked, it runs again from its first token),
+        # the first a warm-up.
+        prompt = harness.request(ids[:CHUNK])
+        prefill = [run(harness, prompt, CHUNK, book=False) for _ in range(3)]
+        harness.release(prompt)
+        request = harness.request(ids[: CONTEXT + DECODE_STEPS])
+        run(harness, request, CONTEXT)
+        decode = [run(harness, request, 1) for _ in range(DECODE_STEPS)]
         print(
             f"{dtype:9} {quantize or 'float':8} {1e3 * statistics.median(decode):14.1f}"
             f" {1e3 * statistics.median(prefill[1:]):15.0f}",
             flush=True,
         )
-        del runner, decoder
+        del harness, decoder
 
 
 if __name__ == "__main__":

@@ -16,9 +16,8 @@ import time
 
 import torch
 
-from gapless import SamplingParams
+from gapless.bench.harness import Harness
 from gapless.engine import distributed
-from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
 from gapless.model.loader import load_decoder
@@ -36,20 +35,21 @@ def sharded_runner(path: str, dtype: str) -> ModelRunner:
     return ModelRunner(decoder, BLOCKS, 16)
 
 
-def chunks(batch: int, tokens: int) -> list[ScheduledChunk]:
-    out = []
-    for i in range(batch):
-        req = Request(f"s{i}", list(range(3, 3 + HISTORY + tokens)), SamplingParams())
-        req.block_table = list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ))
-        req.num_computed = HISTORY if tokens == 1 else 0
-        out.append(ScheduledChunk(req, tokens))
-    return out
+def sequences(harness: Harness, batch: int, tokens: int) -> list[Request]:
+    """batch sequences to run `tokens` tokens each: a decode after HISTORY tokens (their KV
+    computed here, once), or a fresh prompt chunk."""
+    requests = [harness.request(list(range(3, 3 + HISTORY + tokens))) for _ in range(batch)]
+    if tokens == 1:
+        harness.step([(r, HISTORY) for r in requests])
+    return requests
 
 
-def timed(runner: ModelRunner, step: list[ScheduledChunk], threads: int) -> float:
+def timed(harness: Harness, requests: list[Request], tokens: int, threads: int) -> float:
+    """ms of one step of the requests' next `tokens` tokens each, left unbooked: every call
+    runs the same step."""
     torch.set_num_threads(threads)
     start = time.perf_counter()
-    runner.execute(step, set())
+    harness.step([(r, tokens) for r in requests], book=False)
     return (time.perf_counter() - start) * 1000
 
 
@@ -60,22 +60,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=8)
     args = ap.parse_args()
     two = sharded_runner(args.model, args.dtype)
-    one = ModelRunner(load_decoder(args.model, args.dtype), BLOCKS, 16)
     cfg, size = two.decoder.config, two.decoder.embed.element_size()
+    # (tp, its harness, its threads)
+    arms = (
+        (1, Harness(ModelRunner(load_decoder(args.model, args.dtype), BLOCKS, 16)), 2),
+        (2, Harness(two), 1),
+    )
     for name, batch, tokens in (("decode b1", 1, 1), ("decode b8", 8, 1), ("chunk 512", 1, 512)):
-        step = chunks(batch, tokens)
-        if tokens == 1:  # the histories' KV, once
-            history = [ScheduledChunk(c.request, HISTORY) for c in chunks(batch, tokens)]
-            for c in history:
-                c.request.num_computed = 0
-            one.execute(history, set())
-            two.execute(history, set())
+        requests = {tp: sequences(harness, batch, tokens) for tp, harness, _ in arms}
         times: dict[int, list[float]] = {1: [], 2: []}
         for i in range(args.repeats + 1):  # the first round warms up
-            for tp, runner, threads in ((1, one, 2), (2, two, 1)):
-                ms = timed(runner, step, threads)
+            for tp, harness, threads in arms:
+                ms = timed(harness, requests[tp], tokens, threads)
                 if i:
                     times[tp].append(ms)
+        for tp, harness, _ in arms:
+            for r in requests[tp]:
+                harness.release(r)
         rows = batch * tokens
         reduced = 2 * cfg.num_layers * rows * cfg.hidden_size * size
         # the other rank's vocabulary slice of the logit rows

@@ -25,10 +25,8 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from gapless.engine.plan import ScheduledChunk
-from gapless.engine.request import Request
+from gapless.bench.harness import Harness
 from gapless.engine.runner import ModelRunner
-from gapless.engine.sampling_params import SamplingParams
 from gapless.kernels import blocks
 from gapless.model.checkpoint import load_model
 from gapless.model.default_model import installed_default_model
@@ -96,21 +94,16 @@ def decode_steps(decoder, batch: int, budget: int) -> Callable[[], None]:
     prompt; good for `budget` steps."""
     block = 16
     seq_blocks = (CONTEXT + budget) // block + 2
-    runner = ModelRunner(decoder, batch * seq_blocks, block)
+    harness = Harness(ModelRunner(decoder, batch * seq_blocks, block))
     gen = torch.Generator().manual_seed(0)
     seqs = []
-    for i in range(batch):
+    for _ in range(batch):
         ids = torch.randint(0, decoder.config.vocab_size, (CONTEXT + budget,), generator=gen)
-        req = Request(f"r{i}", ids.tolist(), SamplingParams())
-        req.block_table = list(range(i * seq_blocks, (i + 1) * seq_blocks))
-        runner.execute([ScheduledChunk(req, CONTEXT)], set())
-        req.num_computed += CONTEXT
-        seqs.append(req)
+        seqs.append(harness.request(ids.tolist()))
+        harness.step([(seqs[-1], CONTEXT)])
 
     def step() -> None:
-        runner.execute([ScheduledChunk(r, 1) for r in seqs], set())
-        for r in seqs:
-            r.num_computed += 1
+        harness.step([(r, 1) for r in seqs])
 
     return step
 

@@ -191,10 +191,9 @@ def time_model(
 ) -> tuple[list[dict], list[dict], dict, str]:
     """Prefill chunks, decode steps, a chunk at a long history against a fresh one, and the
     kernels the probe picked."""
-    from gapless.engine.plan import ScheduledChunk
+    from gapless.bench.harness import Harness
     from gapless.engine.request import Request
     from gapless.engine.runner import ModelRunner
-    from gapless.engine.sampling_params import SamplingParams
     from gapless.model.loader import load_decoder
 
     decoder = load_decoder(model_dir, str(dtype).removeprefix("torch."))
@@ -208,21 +207,19 @@ def time_model(
         -(-(long_n + long_start) // bs),
         -(-(max(sizes["decode_contexts"]) + 1) // bs),
     )
-    runner = ModelRunner(decoder, num_blocks, bs)
+    harness = Harness(ModelRunner(decoder, num_blocks, bs))
     gen = torch.Generator().manual_seed(0)
 
-    def request(num_tokens: int, computed: int, first_block: int) -> Request:
+    def request(num_tokens: int, cached: int) -> Request:
         ids = torch.randint(0, cfg.vocab_size, (num_tokens,), generator=gen).tolist()
-        req = Request("roofline", ids, SamplingParams())
-        # Set by hand what the scheduler and block manager would: cached tokens, KV blocks.
-        req.num_computed = computed
-        req.block_table = list(range(first_block, first_block + -(-num_tokens // bs)))
-        return req
+        return harness.request(ids, cached=cached)
 
+    # Each timing reruns one unbooked step at a fixed context, then frees its requests' blocks.
     prefill = []
     for n, start in sizes["chunks"]:
-        req = request(start + n, start, 0)
-        t = median_time(lambda req=req, n=n: runner.execute([ScheduledChunk(req, n)], set()), reps)
+        req = request(start + n, start)
+        t = median_time(lambda req=req, n=n: harness.step([(req, n)], book=False), reps)
+        harness.release(req)
         flops = chunk_flops(cfg, start, n)
         prefill.append(
             {
@@ -239,8 +236,10 @@ def time_model(
     decode = []
     for batch in sizes["decode_batches"]:
         # Each sequence gets its own blocks, as in a real batch.
-        chunks = [ScheduledChunk(request(ctx + 1, ctx, i * seq_blocks), 1) for i in range(batch)]
-        t = median_time(lambda chunks=chunks: runner.execute(chunks, set()), reps)
+        chunks = [(request(ctx + 1, ctx), 1) for _ in range(batch)]
+        t = median_time(lambda chunks=chunks: harness.step(chunks, book=False), reps)
+        for req, _ in chunks:
+            harness.release(req)
         nbytes = decode_bytes(cfg, [ctx] * batch, elem)
         roofline_s = nbytes / (gbs * 1e9)
         decode.append(
@@ -262,14 +261,15 @@ def time_model(
     def step(n: int, start: int) -> tuple[float, float]:
         """Median step time of one n-token chunk after `start` cached tokens, and the
         attention time of the median step."""
-        req = request(start + n, start, 0)
-        runner.execute([ScheduledChunk(req, n)], set())  # warm-up
+        req = request(start + n, start)
+        harness.step([(req, n)], book=False)  # warm-up
         steps = []
         for _ in range(reps):
             attention_s.clear()
             t = time.perf_counter()
-            runner.execute([ScheduledChunk(req, n)], set())
+            harness.step([(req, n)], book=False)
             steps.append((time.perf_counter() - t, sum(attention_s)))
+        harness.release(req)
         return sorted(steps)[len(steps) // 2]
 
     decoder.kernels.attention = timed_attention  # type: ignore[method-assign]
