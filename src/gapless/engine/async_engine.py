@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from gapless.device import tune_allocator
 from gapless.engine import observability
 from gapless.engine.engine import Engine, EngineFailed
 from gapless.engine.events import Event, FinishedEvent
@@ -31,6 +32,7 @@ def engine_thread() -> ThreadPoolExecutor:
     wake-up. A torch op from the engine thread then took ~100 us instead of ~22, and a
     SmolLM2 decode step 35-46 ms instead of 18-21 (2 cores).
     """
+    tune_allocator()  # before the thread's first allocation (device.tune_allocator says why)
     return ThreadPoolExecutor(1, thread_name_prefix="gapless-engine")
 
 
