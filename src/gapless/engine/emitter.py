@@ -56,6 +56,13 @@ class Emitter:
             req.progress_callback(event)
         self._events.append(event)
 
+    def forked(self, req: Request) -> None:
+        """The request's prompt is complete and its other choices fork from it (the plan's
+        Fork): they start with its prompt logprobs, and no longer end with it."""
+        for child in req.forks:
+            child.prompt_logprobs = list(req.prompt_logprobs)
+        req.forks = []
+
     def token(self, req: Request, token: int, info: TokenLogprob | None) -> None:
         """Appends a sampled token, and ends the request if the token ends it."""
         req.sampling.accept(token)

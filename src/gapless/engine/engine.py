@@ -309,9 +309,7 @@ class Engine:
             return []
         if fork is None:
             return [req]
-        for child in req.forks:
-            child.prompt_logprobs = list(req.prompt_logprobs)
-        req.forks = []
+        self.emitter.forked(req)
         return [req, *fork.children]
 
     def _sample_runs(
