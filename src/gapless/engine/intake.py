@@ -92,7 +92,8 @@ class Intake:
         prefills in chunks beside the running decodes, as any prompt does, then ends, sampling
         nothing: its FinishedEvent (`index` its position in prompts) carries its hidden states
         after the final norm, pooled (`pooling`, default the engine's) and L2-normalized. A
-        prompt may fill the whole context, as it has no output."""
+        prompt may fill the whole context, as it has no output. Its service class is batch:
+        nobody reads an embedding token by token, and it is often bulk indexing."""
         pooling = pooling or self.config.pooling
         if pooling not in POOLINGS:
             raise RequestError(f"pooling must be one of {', '.join(POOLINGS)}", "pooling")
@@ -100,7 +101,7 @@ class Intake:
             raise RequestError("there is no prompt to embed", "prompt", None)
         checked = [self.admission.check_prompt(p, output=False) for p in prompts]
         request_id = request_id or uuid.uuid4().hex
-        params = SamplingParams(max_tokens=0)
+        params = SamplingParams(max_tokens=0, service_class="batch")
         sequences = [
             Request(
                 request_id,

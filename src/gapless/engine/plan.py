@@ -46,7 +46,8 @@ class Fork:
 
 @dataclass
 class StepPlan:
-    # Decodes first, in admission order, then prompt chunks in the prefill policy's order.
+    # Decodes first, by class then admission (scheduler.precedence), then prompt chunks by
+    # class then in the prefill policy's order.
     chunks: list[ScheduledChunk]
     # The draft model's work before the forward: the engine runs it, and Scheduler.verify
     # puts its proposals in the decodes' chunks.

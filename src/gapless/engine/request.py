@@ -74,7 +74,7 @@ class Request:
     num_registered: int = 0  # blocks of block_table already offered to the prefix cache
     cached_prompt_tokens: int = 0
     preemptions: int = 0
-    admitted_seq: int = -1  # admission order, for choosing preemption victims
+    admitted_seq: int = -1  # admission order: within a class, the last admitted is preempted
 
     # The runner's: an image's embeddings by its index in `images`, from the step whose chunk
     # first reaches it until the prompt is computed past it (or the request is preempted),

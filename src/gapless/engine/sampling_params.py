@@ -19,6 +19,21 @@ MAX_LOGPROBS = 20
 MAX_N = 16  # choices per request: each holds its own KV for its output
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
+# The service classes, most urgent first: the scheduler prefills a more urgent class's prompts
+# first and preempts the least urgent class first (docs/server.md, Service classes).
+SERVICE_CLASSES = ("interactive", "standard", "batch")
+# A request for more choices than this is bulk work, batch unless it names its class.
+BATCH_CHOICES = 4
+
+
+def default_service_class(n: int, streamed: bool) -> str:
+    """The class of a request that names none: batch for more than BATCH_CHOICES choices, else
+    interactive when its tokens are streamed (someone is reading them as they come), else
+    standard. (An embedding is batch: Intake.add_embedding.)"""
+    if n > BATCH_CHOICES:
+        return "batch"
+    return "interactive" if streamed else "standard"
+
 
 @dataclass
 class SamplingParams:
@@ -44,8 +59,13 @@ class SamplingParams:
     grammar: str | None = None
     # False: this request decodes one token a step even where the engine speculates.
     speculate: bool = True
+    # One of SERVICE_CLASSES; None: default_service_class(n, streamed=False), as the Python API
+    # returns whole outputs (the server names the class of every request it makes).
+    service_class: str | None = None
 
     def __post_init__(self) -> None:
+        if self.service_class is None:
+            self.service_class = default_service_class(self.n, streamed=False)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -62,6 +82,11 @@ class SamplingParams:
                 "must fit in a signed 64-bit integer",
             ),
             (1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]"),
+            (
+                self.service_class in SERVICE_CLASSES,
+                "service_class",
+                f"must be one of {', '.join(SERVICE_CLASSES)}",
+            ),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),

@@ -2,16 +2,23 @@
 
 Each step is one hybrid batch:
 1. Every decoding request gets exactly one token. Decodes go first, so an active stream
-   never waits for someone else's prompt. If the KV pool cannot hold the next tokens, the
-   most recently admitted request is preempted (blocks freed, requeued, recomputed later).
+   never waits for someone else's prompt. If the KV pool cannot hold the next tokens, a
+   request is preempted (blocks freed, requeued, recomputed later): one of the least urgent
+   service class present, and within it the most recently admitted.
 2. What is left of the token budget goes to prompt chunks. The budget is `prefill_chunk`
    while anyone decodes, and `idle_prefill_chunk` when nobody does, so an idle server
    prefills at full speed. Under a latency target it is what the cost model predicts fits
    in the target beside the decodes (cost_model.py), but never under `min_prefill_chunk`:
    when decodes alone use the target, prompts still move at a guaranteed rate.
-3. Chunks go to prefilling and waiting requests in the order of the prefill policy (a
-   PrefillPolicy: `fcfs` by arrival, or `shortest` remaining prefill first, aged by steps
-   waited so that no prompt starves). Several prompts may share the budget. Waiting requests are admitted while `max_num_seqs` and free KV allow.
+3. Chunks go to prefilling and waiting requests by service class, most urgent first
+   (SERVICE_CLASSES: interactive, standard, batch), and within a class in the order of the
+   prefill policy (a PrefillPolicy: `fcfs` by arrival, or `shortest` remaining prefill first,
+   aged by steps waited so that no prompt starves behind its own class). Classes are strict:
+   aging never lifts a prompt past a more urgent class's, so under interactive prompts that
+   fill every step's budget, batch prompts wait (their decodes still run every step). That
+   is the promise classes make; a share for each class is a later slice's fair queuing.
+   Several prompts may share the budget. Waiting requests are admitted while
+   `max_num_seqs` and free KV allow.
    An image the chunk reaches unencoded is encoded a few units at a time (its tower's
    blocks, + 1 for its projector: model/encode_steps.py), before the step's forward. Each
    unit is charged against the budget as the image's encode cost over its units, rounded up
@@ -23,10 +30,10 @@ Each step is one hybrid batch:
    budget leaves once it completes. A chunk that starts at an image its budget affords no
    unit of still runs one if it is the step's first prompt chunk: such a step exceeds the
    budget by a unit.
-4. What the prompts leave of the budget goes to speculation (speculation.py): decodes, in
-   admission order, get proposed tokens to verify in the same forward, at most DECODE_ROWS
-   rows of decodes and proposals in all, and only into free KV (no one is preempted for a
-   proposal). A draft model's reading of the tokens it has not seen (draft.py) comes out of
+4. What the prompts leave of the budget goes to speculation (speculation.py): decodes, by
+   class and then in admission order, get proposed tokens to verify in the same forward, at
+   most DECODE_ROWS rows of decodes and proposals in all, and only into free KV (no one is
+   preempted for a proposal). A draft model's reading of the tokens it has not seen (draft.py) comes out of
    the same share, so a long prompt's catch-up goes in chunks and stalls no one. So
    speculation shrinks before prompt chunks do, and narrows as the batch grows: each request
    proposes fewer (a verified row is worth less beside more decodes), and none from
@@ -52,6 +59,7 @@ from dataclasses import dataclass
 from gapless.engine.options import check, option
 from gapless.engine.plan import DraftPlan, Fork, ScheduledChunk, StepOutcome, StepPlan
 from gapless.engine.request import Request, RequestState
+from gapless.engine.sampling_params import SERVICE_CLASSES
 from gapless.kernels import DECODE_ROWS
 from gapless.kv.block_pool import BlockPool
 from gapless.kv.groups import KVGroup, first_needed_block
@@ -98,6 +106,17 @@ class ShortestFirst(PrefillPolicy):
 PREFILL_POLICIES: dict[str, PrefillPolicy] = {
     p.name: p for p in (FirstComeFirstServed(), ShortestFirst())
 }
+
+
+def urgency(request: Request) -> int:
+    """The request's service class as a rank: 0 for the most urgent."""
+    return SERVICE_CLASSES.index(request.params.service_class)
+
+
+def precedence(request: Request) -> tuple[int, int]:
+    """The order in which admitted requests keep their place: by class, then by admission.
+    Decodes are scheduled in this order, and the last one is the first preempted."""
+    return urgency(request), request.admitted_seq
 
 
 @dataclass
@@ -201,7 +220,9 @@ class Scheduler:
         chunks = list(decodes)
         self.steps += 1
         candidates = [r for r in self.running if r.state is RequestState.PREFILLING]
-        candidates = sorted(candidates + self.waiting, key=lambda r: self.policy.key(r, self.steps))
+        candidates = sorted(
+            candidates + self.waiting, key=lambda r: (urgency(r), self.policy.key(r, self.steps))
+        )
         speculating = any(c.request.speculation is not None for c in decodes)
         if not chunks:
             budget = self.config.idle_prefill_chunk
@@ -285,9 +306,9 @@ class Scheduler:
         return max(n, 0), encodes, charge
 
     def _speculate(self, decodes: list[ScheduledChunk], tokens: int, rows: int) -> list[DraftPlan]:
-        """Gives decodes, in admission order, tokens their proposers propose, while the step
-        has `tokens` tokens and `rows` rows left to verify: each no more than its request can
-        still emit, and only into free KV. Prompt lookup's proposals go in their chunks now.
+        """Gives decodes, in their order (precedence), tokens their proposers propose, while
+        the step has `tokens` tokens and `rows` rows left to verify: each no more than its
+        request can still emit, and only into free KV. Prompt lookup's proposals go in their chunks now.
         A draft model's are planned: it first reads the tokens it has not seen (a whole prompt,
         at first), in chunks that count against `tokens` as its proposals do; it proposes only
         once it has read them all, in forwards batched over the step's requests (the engine
@@ -336,12 +357,14 @@ class Scheduler:
         return len(draft)
 
     def _schedule_decodes(self) -> list[ScheduledChunk]:
+        """A token for each decode, in precedence order, so that a victim of preemption (the
+        last by precedence) is never one already given its token this step."""
         chunks = []
-        for request in sorted(self.running, key=lambda r: r.admitted_seq):
+        for request in sorted(self.running, key=precedence):
             if request.state is not RequestState.DECODING or request not in self.running:
                 continue
             while not self._reserve(request, 1):
-                victim = max(self.running, key=lambda r: r.admitted_seq)
+                victim = max(self.running, key=precedence)
                 self.preempt(victim)
                 if victim is request:
                     break

@@ -1,0 +1,96 @@
+"""Service classes: a more urgent class's prompts prefill first and its requests are preempted
+last, and no class changes a token of any request."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import greedy, prompt
+
+from gapless import Engine, EngineConfig, SamplingParams
+from gapless.engine.events import FinishedEvent, TokenEvent
+from gapless.engine.plan import StepOutcome
+from gapless.engine.request import Request
+from gapless.engine.sampling_params import SamplingParamsError
+from gapless.engine.scheduler import Scheduler, SchedulerConfig
+from gapless.kv.block_pool import BlockPool
+
+
+def request(rid: str, prompt_len: int, service_class: str) -> Request:
+    params = SamplingParams(max_tokens=100, service_class=service_class)
+    return Request(rid, prompt(prompt_len, seed=len(rid)), params)
+
+
+def step(scheduler: Scheduler) -> list[tuple[str, int]]:
+    """Schedules a step and books it as the engine would, each finished prompt sampling a
+    token; returns its chunks as (request id, tokens), in the plan's order."""
+    plan = scheduler.schedule()
+    sampled = []
+    for chunk in plan.chunks:
+        if chunk.request.num_computed + chunk.num_tokens == chunk.request.num_tokens:
+            chunk.request.output_ids.append(7)
+            sampled.append(chunk.request)
+    scheduler.update(plan, StepOutcome(computed=plan.chunks, sampled=sampled))
+    return [(c.request.request_id, c.num_tokens) for c in plan.chunks]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "shortest"])
+def test_a_later_interactive_prompt_prefills_before_a_waiting_batch_one(policy):
+    config = SchedulerConfig(prefill_chunk=16, idle_prefill_chunk=16, prefill_policy=policy)
+    scheduler = Scheduler(config, BlockPool(64, 16))
+    # Without classes the batch prompt goes first by either policy: it came first and is the
+    # shorter one.
+    scheduler.add(request("batch", 40, "batch"))
+    scheduler.add(request("chat", 50, "interactive"))
+    assert step(scheduler) == [("chat", 16)]
+    assert step(scheduler) == [("chat", 16)]
+
+
+def test_preemption_takes_the_batch_request_before_a_newer_interactive_one():
+    # The two prompts fill the four blocks, and each request's next token but one needs a
+    # fifth: the interactive request's first, the batch request's second.
+    scheduler = Scheduler(SchedulerConfig(enable_prefix_cache=False), BlockPool(4, 16))
+    batch, chat = request("batch", 31, "batch"), request("chat", 32, "interactive")
+    scheduler.add(batch)
+    step(scheduler)
+    scheduler.add(chat)  # admitted after the batch request: the newer one
+    step(scheduler)
+    plan = scheduler.schedule()
+    assert plan.preempted == [batch]
+    assert [c.request for c in plan.decodes] == [chat]
+
+
+def test_an_unknown_class_is_refused_by_name():
+    with pytest.raises(SamplingParamsError, match="service_class must be one of") as e:
+        SamplingParams(service_class="urgent")
+    assert e.value.param == "service_class"
+
+
+@pytest.mark.parametrize("n,service_class", [(1, "standard"), (4, "standard"), (5, "batch")])
+def test_the_python_api_default_class(n, service_class):
+    assert SamplingParams(n=n).service_class == service_class
+
+
+def test_classes_change_no_token(checkpoint):
+    """Classes reorder prompts and choose who is preempted under a small KV pool; the greedy
+    tokens are those of the same requests without classes."""
+
+    def run(classes: list[str | None]) -> list[list[int]]:
+        config = EngineConfig.of(dtype="float32", prefill_chunk=16, kv_cache_tokens=12 * 16)
+        engine = Engine.from_pretrained(checkpoint("llama"), config)
+        ids = [
+            engine.add_request(prompt(20 + 9 * i, i), greedy(40, service_class=c))
+            for i, c in enumerate(classes)
+        ]
+        out: dict[str, list[int]] = {}
+        preempted = 0
+        while engine.has_work:
+            for e in engine.step():
+                if isinstance(e, TokenEvent):
+                    out.setdefault(e.request_id, []).extend(e.token_ids)
+                if isinstance(e, FinishedEvent):
+                    preempted += e.preempted
+        assert preempted, "the pool is meant to be too small for all four at once"
+        return [out[i] for i in ids]
+
+    plain = run([None] * 4)
+    assert run(["batch", "interactive", "batch", "standard"]) == plain
