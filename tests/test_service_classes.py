@@ -46,17 +46,19 @@ def test_a_later_interactive_prompt_prefills_before_a_waiting_batch_one(policy):
 
 
 def test_preemption_takes_the_batch_request_before_a_newer_interactive_one():
-    # The two prompts fill the four blocks, and each request's next token but one needs a
-    # fifth: the interactive request's first, the batch request's second.
+    # The two prompts fill the four blocks. The batch request's next token fits in its
+    # blocks; the interactive request's needs a fifth block, which only preempting frees.
     scheduler = Scheduler(SchedulerConfig(enable_prefix_cache=False), BlockPool(4, 16))
-    batch, chat = request("batch", 31, "batch"), request("chat", 32, "interactive")
+    batch, chat = request("batch", 20, "batch"), request("chat", 32, "interactive")
     scheduler.add(batch)
     step(scheduler)
     scheduler.add(chat)  # admitted after the batch request: the newer one
     step(scheduler)
     plan = scheduler.schedule()
     assert plan.preempted == [batch]
-    assert [c.request for c in plan.decodes] == [chat]
+    # The chat's token, and the batch request starting over (no decode of its, already
+    # scheduled when it lost its blocks) in the block the chat's token left free.
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(chat, 1), (batch, 16)]
 
 
 def test_an_unknown_class_is_refused_by_name():
