@@ -198,6 +198,7 @@ def test_summaries_show_counts_and_never_text(server: RunningServer) -> None:
         "id",
         "index",
         "state",
+        "class",
         "prompt_tokens",
         "computed",
         "generated",
@@ -205,6 +206,7 @@ def test_summaries_show_counts_and_never_text(server: RunningServer) -> None:
         "ttft_s",
     }
     assert {row["prompt_tokens"] for row in rows} == {len(prompt)}
+    assert {row["class"] for row in rows} == {"interactive"}  # a streamed request's default
     assert {row["id"] for row in rows} == {live_id(streamed["chunks"][0])}
     prefilling = [r["computed"] for r in rows if r["state"] == "prefilling"]
     assert prefilling and prefilling == sorted(prefilling)

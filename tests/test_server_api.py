@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -449,6 +450,9 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str, str | None, str | None, str | 
     ("completion logprobs range", COMPLETIONS, {"prompt": "a", "logprobs": 99}, 400, "invalid_request_error", "logprobs", None, None),
     ("seed wrong type", COMPLETIONS, {"prompt": "a", "seed": "lucky"}, 400, "invalid_request_error", "seed", None, None),
     ("stream_options wrong type", CHAT, {"messages": HELLO, "stream": True, "stream_options": 1}, 400, "invalid_request_error", "stream_options", None, None),
+    ("service_class unknown", COMPLETIONS, {"prompt": "a", "service_class": "urgent"}, 400, "invalid_request_error", "service_class", None, "interactive, standard, batch"),
+    ("service_tier unknown", CHAT, {"messages": HELLO, "service_tier": "scale"}, 400, "invalid_request_error", "service_tier", None, "'scale'"),
+    ("priority wrong type", CHAT, {"messages": HELLO, "priority": "high"}, 400, "invalid_request_error", "priority", None, None),
     ("unknown route", "/v1/audio/speech", {"input": "x"}, 404, "not_found_error", None, None, None),
     # Fields a client controls are bounded at admission, never in the batched step.
     ("top_k past int64", COMPLETIONS, {"prompt": "a", "top_k": 10**20}, 400, "invalid_request_error", "top_k", None, "vocabulary"),
@@ -574,10 +578,68 @@ def test_metrics_exposition(client: httpx.Client, server: RunningServer) -> None
     ):
         assert f"# TYPE {name} histogram" in text
         assert f'{name}_bucket{{le="+Inf"}}' in text
+    for name in (
+        "gapless_class_time_to_first_token_seconds",
+        "gapless_class_inter_token_latency_seconds",
+    ):
+        assert f"# TYPE {name} histogram" in text
+        for service_class in ("interactive", "standard", "batch"):
+            assert f'{name}_bucket{{class="{service_class}",le="+Inf"}}' in text
+            assert f'{name}_count{{class="{service_class}"}}' in text
     values = server.metrics()
     assert values["gapless_kv_blocks_total"] == server.engine.pool.num_blocks
     assert values["gapless_generation_tokens_total"] >= 3
     assert values["gapless_time_to_first_token_seconds_count"] >= 1
+
+
+def finished_by_class(server: RunningServer) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    found = re.findall(
+        r'^gapless_class_requests_finished_total\{class="(\w+)"\} (\S+)$', text, re.M
+    )
+    return {name: float(value) for name, value in found}
+
+
+@pytest.mark.parametrize(
+    "fields,streamed,service_class",
+    [
+        ({"service_tier": "flex"}, False, "batch"),
+        ({"service_tier": "priority"}, False, "interactive"),
+        ({"extra_body": {"priority": 5}}, False, "batch"),
+        ({"extra_body": {"priority": -1}}, False, "interactive"),
+        ({"extra_body": {"service_class": "interactive"}}, False, "interactive"),
+        ({"service_tier": "auto", "extra_body": {"service_class": "batch"}}, True, "batch"),
+        # The defaults: standard, interactive when streamed, batch for more than 4 choices.
+        ({}, False, "standard"),
+        ({"service_tier": "default"}, True, "interactive"),
+        ({"n": 5}, True, "batch"),
+    ],
+)
+def test_service_class_fields_and_their_metrics(
+    oai: openai.OpenAI,
+    server: RunningServer,
+    fields: dict[str, Any],
+    streamed: bool,
+    service_class: str,
+) -> None:
+    before = finished_by_class(server)
+    extra = {"ignore_eos": True, **fields.pop("extra_body", {})}
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi!"}],
+        max_tokens=2,
+        stream=streamed,
+        extra_body=extra,
+        **fields,
+    )
+    if streamed:
+        list(r)
+    after = finished_by_class(server)
+    n = fields.get("n", 1)
+    assert set(after) == {"interactive", "standard", "batch"}
+    assert {c: after[c] - before[c] for c in after} == {
+        c: n if c == service_class else 0 for c in after
+    }
 
 
 @pytest.mark.parametrize("text", ["a\u2028b", "a\u2029b", "a\x85b", "é\u2028\n"])

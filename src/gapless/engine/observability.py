@@ -36,8 +36,8 @@ def stats(engine: Engine) -> dict[str, int]:
 
 
 def summary(engine: Engine, max_rows: int = 100) -> dict[str, Any]:
-    """For the live view (server/live.py): each live sequence's short id, state, counts and
-    timings (running ones first, then the queue, at most max_rows), the last step's token
+    """For the live view (server/live.py): each live sequence's short id, state, service
+    class, counts and timings (running ones first, then the queue, at most max_rows), the last step's token
     counts and the KV blocks in use. Call it on the engine thread, between steps."""
     now = time.monotonic()
     incoming = engine.queued()
@@ -51,6 +51,7 @@ def summary(engine: Engine, max_rows: int = 100) -> dict[str, Any]:
                 "id": req.request_id[:SUMMARY_ID_CHARS],
                 "index": req.index,
                 "state": req.state.value,
+                "class": req.params.service_class,
                 "prompt_tokens": prompt,
                 "computed": min(req.num_computed, prompt),
                 "generated": len(req.output_ids),

@@ -210,9 +210,12 @@ def parse_messages(
         stop=protocol.stop_field(body, "stop_sequences"),
         speculate=protocol.bool_field(body, "speculate") is not False,
     )
+    stream = bool(bool_field(body, "stream"))
+    # Anthropic's own service_tier (auto, standard_only) picks between its capacity pools,
+    # which a single server has not: ignored.
+    fields["service_class"] = protocol.service_class(body, stream)
     chat_template = admission.tokenizer.chat_template
     parser = tool_calls.apply_tools(tools, fields, grammars, chat_template, configured_parser)
-    stream = bool(bool_field(body, "stream"))
     return ParsedMessages(prompt_ids, SamplingParams(**fields), stream, tools, parser)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gapless.engine.engine import Engine
+from gapless.engine.metrics import EngineMetrics
 from gapless.engine.observability import stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -59,4 +60,23 @@ def render_metrics(engine: Engine) -> str:
     lines += metrics.step_time.render(
         PREFIX + "step_time_seconds", "Wall time of one engine step (one forward pass)."
     )
+    lines += _by_class(metrics)
     return "\n".join(lines) + "\n"
+
+
+def _by_class(metrics: EngineMetrics) -> list[str]:
+    """The request metrics again, per service class: each family labelled `class`, with one
+    series for each of SERVICE_CLASSES (the unlabelled families above are their sums)."""
+    classes = metrics.by_class
+    name = PREFIX + "class_requests_finished_total"
+    lines = [f"# HELP {name} Finished requests by service class.", f"# TYPE {name} counter"]
+    lines += [f'{name}{{class="{c}"}} {m.requests_finished}' for c, m in classes.items()]
+    for family, help_text in (
+        ("time_to_first_token", "Time from arrival to the first output token, by service class."),
+        ("inter_token_latency", "Time between consecutive output tokens, by service class."),
+    ):
+        name = f"{PREFIX}class_{family}_seconds"
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        for c, m in classes.items():
+            lines += getattr(m, family).samples(name, f'class="{c}"')
+    return lines

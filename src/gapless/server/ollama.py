@@ -123,7 +123,8 @@ def _check_samplers(options: dict[str, Any]) -> None:
 def _sampling(
     body: dict[str, Any], admission: Admission, grammars: GrammarCompiler, prompt_len: int
 ) -> dict[str, Any]:
-    """SamplingParams fields: `options`, and `format` as the output's grammar."""
+    """SamplingParams fields: `options`, `format` as the output's grammar, and the service
+    class."""
     options = protocol.dict_field(body, "options") or {}
     _check_samplers(options)
     fields = protocol.number_fields(options, _FLOAT_OPTIONS, _INT_OPTIONS)
@@ -138,6 +139,7 @@ def _sampling(
     fields["stop"] = protocol.stop_field(options)
     fields["speculate"] = protocol.bool_field(body, "speculate") is not False
     fields["grammar"] = ollama_format_grammar(body.get("format"), grammars)
+    fields["service_class"] = protocol.service_class(body, _stream(body))
     return fields
 
 

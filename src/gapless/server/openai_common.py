@@ -26,6 +26,7 @@ from gapless.server.protocol import (
     int_list_field,
     invalid,
     stop_field,
+    str_field,
 )
 from gapless.server.streaming import Renderer, progress_comment, sse
 from gapless.server.structured_output import output_grammar
@@ -33,6 +34,8 @@ from gapless.server.tool_calls import ToolCallStream
 
 # OpenAI reports an impossible logprob as -9999.0; JSON has no -Infinity.
 _MIN_LOGPROB = -9999.0
+# OpenAI's service_tier values as service classes; None: the request's default class.
+SERVICE_TIERS = {"auto": None, "default": None, "flex": "batch", "priority": "interactive"}
 
 
 def error_body(error: APIError) -> dict[str, Any]:
@@ -115,6 +118,8 @@ def sampling_fields(
     fields["stop_token_ids"] = int_list_field(body, "stop_token_ids")
 
     stream = bool(bool_field(body, "stream"))
+    n = fields.get("n", 1)
+    fields["service_class"] = protocol.service_class(body, stream, n, named_class(body))
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
@@ -122,6 +127,24 @@ def sampling_fields(
             raise invalid("stream_options must be an object", "stream_options")
         include_usage = bool(bool_field(options, "include_usage"))
     return fields, stream, include_usage
+
+
+def named_class(body: dict[str, Any]) -> str | None:
+    """The service class that OpenAI's `service_tier` names, else vLLM's integer `priority`
+    (lower is more urgent, 0 the default: below 0 interactive, above 0 batch); None: neither
+    names one."""
+    tier = str_field(body, "service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise invalid(
+            f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {tier!r}",
+            "service_tier",
+        )
+    if tier is not None and SERVICE_TIERS[tier] is not None:
+        return SERVICE_TIERS[tier]
+    priority = int_field(body, "priority") or 0
+    if priority:
+        return "interactive" if priority < 0 else "batch"
+    return None
 
 
 # -- responses -----------------------------------------------------------------------------

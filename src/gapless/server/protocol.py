@@ -16,6 +16,7 @@ import re
 import time
 from typing import Any
 
+from gapless.engine.sampling_params import default_service_class
 from gapless.model.tokenizer import is_unicode
 
 
@@ -164,6 +165,19 @@ def number_fields(
             if value is not None:
                 fields[field] = value
     return fields
+
+
+def service_class(
+    body: dict[str, Any], streamed: bool, n: int = 1, named: str | None = None
+) -> str:
+    """The request's service class (docs/server.md, Service classes): its `service_class`,
+    else the one its dialect's own fields name (`named`: OpenAI's service_tier, vLLM's
+    priority), else the default for how it is asked (default_service_class). An unknown name
+    is refused once, by SamplingParams, as any field's value is."""
+    requested = str_field(body, "service_class")
+    if requested is not None:
+        return requested
+    return named or default_service_class(n, streamed)
 
 
 def chat_messages(body: dict[str, Any], roles: tuple[str, ...]) -> list[dict[str, Any]]:

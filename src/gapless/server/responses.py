@@ -27,7 +27,7 @@ from gapless.engine.structured import GrammarCompiler
 from gapless.server import protocol, tool_calls
 from gapless.server.endpoint import ServerState, generate, read_json
 from gapless.server.openai_chat import chat_logprobs
-from gapless.server.openai_common import check_model
+from gapless.server.openai_common import check_model, named_class
 from gapless.server.protocol import (
     APIError,
     bool_field,
@@ -245,6 +245,8 @@ def parse_request(
     if top is not None and not 0 <= top <= 20:
         raise invalid(f"top_logprobs must be in [0, 20], got {top}", "top_logprobs")
     fields["logprobs"] = (top or 0) if LOGPROBS in (list_field(body, "include") or []) else None
+    stream = bool(bool_field(body, "stream"))
+    fields["service_class"] = protocol.service_class(body, stream, named=named_class(body))
     params = SamplingParams(**fields)
     store = bool_field(body, "store") is not False
     settings = {
@@ -262,7 +264,6 @@ def parse_request(
         "top_p": params.top_p,
         "truncation": "disabled",
     }
-    stream = bool(bool_field(body, "stream"))
     return ParsedResponse(prompt_ids, params, stream, store, items, settings, tools, parser)
 
 

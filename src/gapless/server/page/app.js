@@ -236,6 +236,7 @@ function render(s) {
     tr.append(
       cell(q.index ? `${q.id} #${q.index}` : q.id, "id"),
       cell(q.state, `state ${q.state}`),
+      cell(q.class, "class"),
       prefill,
       cell(String(q.generated), "generated"),
       cell(seconds(q.age_s)),
