@@ -345,6 +345,14 @@ def test_anthropic_forced_tool_use(claude: anthropic.Anthropic) -> None:
             {"max_tokens": 10**6, "messages": [{"role": "user", "content": "hi"}]},
             "context length",
         ),
+        (
+            {
+                "max_tokens": 5,
+                "service_class": "vip",
+                "messages": [{"role": "user", "content": "x"}],
+            },
+            "service_class must be one of",
+        ),
     ],
 )
 def test_anthropic_bad_requests(
@@ -488,6 +496,7 @@ def test_ollama_tags_show_version(
             "repeat_penalty",
         ),
         ("/api/generate", {"prompt": 5}, 400, "prompt"),
+        ("/api/generate", {"prompt": "x", "service_class": "vip"}, 400, "service_class must"),
         ("/api/generate", {"model": "llama3", "prompt": "x"}, 404, "llama3"),
         ("/api/show", {"model": "llama3"}, 404, "llama3"),
     ],
