@@ -37,8 +37,9 @@ def stats(engine: Engine) -> dict[str, int]:
 
 def summary(engine: Engine, max_rows: int = 100) -> dict[str, Any]:
     """For the live view (server/live.py): each live sequence's short id, state, service
-    class, counts and timings (running ones first, then the queue, at most max_rows), the last step's token
-    counts and the KV blocks in use. Call it on the engine thread, between steps."""
+    class, counts and timings (running ones first, then the queue, at most max_rows), the
+    last step's token counts and the KV blocks in use. Call it on the engine thread, between
+    steps."""
     now = time.monotonic()
     incoming = engine.queued()
     running, waiting = engine.scheduler.running, engine.scheduler.waiting

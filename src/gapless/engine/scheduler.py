@@ -33,11 +33,11 @@ Each step is one hybrid batch:
 4. What the prompts leave of the budget goes to speculation (speculation.py): decodes, by
    class and then in admission order, get proposed tokens to verify in the same forward, at
    most DECODE_ROWS rows of decodes and proposals in all, and only into free KV (no one is
-   preempted for a proposal). A draft model's reading of the tokens it has not seen (draft.py) comes out of
-   the same share, so a long prompt's catch-up goes in chunks and stalls no one. So
-   speculation shrinks before prompt chunks do, and narrows as the batch grows: each request
-   proposes fewer (a verified row is worth less beside more decodes), and none from
-   DECODE_ROWS decodes on (kernels.DECODE_ROWS: what the decode kernels take).
+   preempted for a proposal). A draft model's reading of the tokens it has not seen
+   (draft.py) comes out of the same share, so a long prompt's catch-up goes in chunks and
+   stalls no one. So speculation shrinks before prompt chunks do, and narrows as the batch
+   grows: each request proposes fewer (a verified row is worth less beside more decodes),
+   and none from DECODE_ROWS decodes on (kernels.DECODE_ROWS: what the decode kernels take).
 A request marked whole_prefill (submit(), or chunking off) takes its whole prompt at once.
 
 An image whose tokens attend to each other both ways (Gemma 3) is never cut by a chunk: its
@@ -308,11 +308,11 @@ class Scheduler:
     def _speculate(self, decodes: list[ScheduledChunk], tokens: int, rows: int) -> list[DraftPlan]:
         """Gives decodes, in their order (precedence), tokens their proposers propose, while
         the step has `tokens` tokens and `rows` rows left to verify: each no more than its
-        request can still emit, and only into free KV. Prompt lookup's proposals go in their chunks now.
-        A draft model's are planned: it first reads the tokens it has not seen (a whole prompt,
-        at first), in chunks that count against `tokens` as its proposals do; it proposes only
-        once it has read them all, in forwards batched over the step's requests (the engine
-        runs them, then verify())."""
+        request can still emit, and only into free KV. Prompt lookup's proposals go in their chunks
+        now. A draft model's are planned: it first reads the tokens it has not seen (a whole
+        prompt, at first), in chunks that count against `tokens` as its proposals do; it
+        proposes only once it has read them all, in forwards batched over the step's
+        requests (the engine runs them, then verify())."""
         plans: list[DraftPlan] = []
         for chunk in decodes:
             request, speculation = chunk.request, chunk.request.speculation
