@@ -62,6 +62,9 @@ class SamplingParams:
     # One of SERVICE_CLASSES; None: default_service_class(n, streamed=False), as the Python API
     # returns whole outputs (the server names the class of every request it makes).
     service_class: str | None = None
+    # Who the request is for (an API key's tenant: server/tenants.py); within a class the
+    # scheduler shares prompt tokens fairly between tenants. None: the anonymous tenant.
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         if self.service_class is None:

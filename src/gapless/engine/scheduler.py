@@ -68,7 +68,7 @@ from gapless.kv.prefix_cache import block_hashes
 
 class PrefillPolicy:
     """Which prompt gets a step's prompt tokens first: requests go in the order of `key`,
-    smallest first. A new policy is one subclass, listed in PREFILL_POLICIES."""
+    smallest first. A new policy is one subclass (PREFILL_POLICIES finds it)."""
 
     name: str
     # Whether a waiting request that does not fit yet holds back those behind it.
@@ -103,9 +103,8 @@ class ShortestFirst(PrefillPolicy):
         )
 
 
-PREFILL_POLICIES: dict[str, PrefillPolicy] = {
-    p.name: p for p in (FirstComeFirstServed(), ShortestFirst())
-}
+# Every subclass above, by name: --prefill-policy's choices.
+PREFILL_POLICIES: dict[str, PrefillPolicy] = {p.name: p() for p in PrefillPolicy.__subclasses__()}
 
 
 def urgency(request: Request) -> int:
