@@ -1,5 +1,6 @@
 """Service classes: a more urgent class's prompts prefill first and its requests are preempted
-last, and no class changes a token of any request."""
+last; within a class, tenants share prompt tokens fairly; and neither changes a token of any
+request."""
 
 from __future__ import annotations
 
@@ -72,16 +73,16 @@ def test_the_python_api_default_class(n, service_class):
     assert SamplingParams(n=n).service_class == service_class
 
 
-def test_classes_change_no_token(checkpoint):
-    """Classes reorder prompts and choose who is preempted under a small KV pool; the greedy
-    tokens are those of the same requests without classes."""
+def test_classes_and_tenants_change_no_token(checkpoint):
+    """Classes and tenants' fair shares reorder prompts and choose who is preempted under a
+    small KV pool; the greedy tokens are those of the same requests without either."""
 
-    def run(classes: list[str | None]) -> list[list[int]]:
+    def run(classes: list[str | None], tenants: list[str | None]) -> list[list[int]]:
         config = EngineConfig.of(dtype="float32", prefill_chunk=16, kv_cache_tokens=12 * 16)
         engine = Engine.from_pretrained(checkpoint("llama"), config)
         ids = [
-            engine.add_request(prompt(20 + 9 * i, i), greedy(40, service_class=c))
-            for i, c in enumerate(classes)
+            engine.add_request(prompt(20 + 9 * i, i), greedy(40, service_class=c, tenant=t))
+            for i, (c, t) in enumerate(zip(classes, tenants, strict=True))
         ]
         out: dict[str, list[int]] = {}
         preempted = 0
@@ -94,5 +95,46 @@ def test_classes_change_no_token(checkpoint):
         assert preempted, "the pool is meant to be too small for all four at once"
         return [out[i] for i in ids]
 
-    plain = run([None] * 4)
-    assert run(["batch", "interactive", "batch", "standard"]) == plain
+    plain = run([None] * 4, [None] * 4)
+    assert run(["batch", "interactive", "batch", "standard"], [None] * 4) == plain
+    assert run(["batch", "batch", "batch", "standard"], ["a", "b", "b", "a"]) == plain
+
+
+def tenant_request(rid: str, prompt_len: int, tenant: str, seed: int) -> Request:
+    """A prompt of its own (no prefix cache hits between them)."""
+    return Request(rid, prompt(prompt_len, seed=seed), SamplingParams(tenant=tenant))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "shortest"])
+def test_a_tenant_with_50_queued_requests_gets_one_share_of_prompt_tokens(policy):
+    config = SchedulerConfig(
+        prefill_chunk=64, idle_prefill_chunk=64, max_num_seqs=64, prefill_policy=policy
+    )
+    scheduler = Scheduler(config, BlockPool(4096, 16))
+    heavy = [tenant_request(f"heavy-{i}", 300, "heavy", i) for i in range(50)]
+    for req in heavy:
+        scheduler.add(req)
+    light = tenant_request("light", 4000, "light", 50)
+    scheduler.add(light)
+    tokens = {"heavy": 0, "light": 0}
+    for _ in range(40):  # both backlogged throughout: 40 x 64 tokens < the light prompt
+        for rid, n in step(scheduler):
+            if n > 1:  # a prompt chunk, not a decode
+                tokens[rid.split("-")[0]] += n
+    assert light.num_uncomputed > 0 and any(r.num_uncomputed for r in heavy)
+    total = sum(tokens.values())
+    assert total == 40 * 64
+    assert min(tokens.values()) >= 0.45 * total, tokens
+
+
+def test_a_tenant_that_comes_back_is_not_owed_its_idle_time():
+    """A tenant whose prompts arrive after another's have had the budget to themselves for a
+    while shares from then on; it does not take every step until it has caught up."""
+    config = SchedulerConfig(prefill_chunk=64, idle_prefill_chunk=64)
+    scheduler = Scheduler(config, BlockPool(4096, 16))
+    scheduler.add(tenant_request("a", 4000, "a", 0))
+    for _ in range(20):
+        step(scheduler)
+    scheduler.add(tenant_request("bb", 4000, "b", 1))
+    owners = [step(scheduler)[0][0] for _ in range(10)]
+    assert owners.count("a") >= 4 and owners.count("bb") >= 4, owners

@@ -16,7 +16,8 @@ Each step is one hybrid batch:
    aged by steps waited so that no prompt starves behind its own class). Classes are strict:
    aging never lifts a prompt past a more urgent class's, so under interactive prompts that
    fill every step's budget, batch prompts wait (their decodes still run every step). That
-   is the promise classes make; a share for each class is a later slice's fair queuing.
+   is the promise classes make. Within a class, tenants take turns (FairShare): the one
+   given the fewest prompt tokens goes first, and the policy orders each tenant's prompts.
    Several prompts may share the budget. Waiting requests are admitted while
    `max_num_seqs` and free KV allow.
    An image the chunk reaches unencoded is encoded a few units at a time (its tower's
@@ -118,6 +119,38 @@ def precedence(request: Request) -> tuple[int, int]:
     return urgency(request), request.admitted_seq
 
 
+class FairShare:
+    """Within a service class, tenants (SamplingParams.tenant) take turns at prompt tokens:
+    the tenant given the fewest since its prompts began waiting goes first, and the policy
+    orders its own prompts (start-time fair queuing, counted in tokens). So a tenant with 50
+    queued requests gets one tenant's share, not 50, and admission to the batch follows the
+    same order. A tenant whose prompts arrive while others' wait starts level with the least
+    served of them: it is owed nothing for the time it had none. With one tenant (no API
+    keys) the order is the policy's alone."""
+
+    def __init__(self) -> None:
+        self._given: dict[tuple[int, str | None], int] = {}  # (urgency, tenant) -> tokens
+
+    def order(self, candidates: list[Request]) -> None:
+        """Forgets the tenants with nothing waiting, and starts those new to the queue."""
+        waiting = {_share(r) for r in candidates}
+        given = {k: n for k, n in self._given.items() if k in waiting}
+        for share in waiting - given.keys():
+            level = [n for (urgency, _), n in given.items() if urgency == share[0]]
+            given[share] = min(level, default=0)
+        self._given = given
+
+    def key(self, request: Request) -> int:
+        return self._given[_share(request)]
+
+    def give(self, request: Request, tokens: int) -> None:
+        self._given[_share(request)] += tokens
+
+
+def _share(request: Request) -> tuple[int, str | None]:
+    return urgency(request), request.params.tenant
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = option(64, "requests in the batch at once", positive=True)
@@ -175,6 +208,7 @@ class Scheduler:
         tokens it has yet to read (DraftModel.unseen); None: proposals come by prompt lookup."""
         self.config = config
         self.policy = PREFILL_POLICIES[config.prefill_policy]
+        self.fair_share = FairShare()
         self.pool = pool
         # Every KV group with its window (None: full attention): blocks a group's window has
         # passed are released.
@@ -219,8 +253,10 @@ class Scheduler:
         chunks = list(decodes)
         self.steps += 1
         candidates = [r for r in self.running if r.state is RequestState.PREFILLING]
-        candidates = sorted(
-            candidates + self.waiting, key=lambda r: (urgency(r), self.policy.key(r, self.steps))
+        candidates += self.waiting
+        self.fair_share.order(candidates)
+        candidates.sort(
+            key=lambda r: (urgency(r), self.fair_share.key(r), self.policy.key(r, self.steps))
         )
         speculating = any(c.request.speculation is not None for c in decodes)
         if not chunks:
@@ -256,6 +292,7 @@ class Scheduler:
                 if n == 0 and not encodes:
                     continue
             chunks.append(ScheduledChunk(request, n, encodes=encodes))
+            self.fair_share.give(request, n + charge)
             budget -= n + charge
             left -= n + charge
         drafts = self._speculate(decodes, left, DECODE_ROWS - len(decodes)) if speculating else []
