@@ -23,6 +23,7 @@ from gapless.engine.config import EngineConfig
 from gapless.engine.engine import Engine
 from gapless.server.app import GaplessServer
 from gapless.server.settings import ServerSettings
+from gapless.server.tenants import Tenants
 
 MODEL = "tiny-llama"
 
@@ -61,13 +62,15 @@ def running_server(
     model_dir: Path,
     settings: ServerSettings | None = None,
     send_buffer: int | None = None,
+    tenants: Tenants | None = None,
     **engine_fields: Any,
 ) -> Iterator[RunningServer]:
     """send_buffer: SO_SNDBUF of the listening socket, which its connections inherit (the
     kernel's own buffers then fill sooner for a client that does not read)."""
     fields = {"dtype": "float32", "device": "cpu", **engine_fields}
     engine = Engine.from_pretrained(model_dir, EngineConfig.of(**fields))
-    server = GaplessServer(engine, settings or ServerSettings(MODEL), log_level="warning")
+    settings = settings or ServerSettings(MODEL)
+    server = GaplessServer(engine, settings, log_level="warning", tenants=tenants)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     if send_buffer is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -49,6 +51,7 @@ from gapless.server.endpoint import (
 from gapless.server.metrics import CONTENT_TYPE, render_metrics
 from gapless.server.protocol import APIError
 from gapless.server.settings import ServerSettings
+from gapless.server.tenants import Tenants
 
 __all__ = ["GaplessServer", "build_app", "max_json_values"]
 
@@ -103,7 +106,7 @@ def build_app(state: ServerState) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def metrics(request: Request) -> Response:
-        return Response(render_metrics(state.engine), media_type=CONTENT_TYPE)
+        return Response(render_metrics(state.engine, state.tenants), media_type=CONTENT_TYPE)
 
     feed = live.LiveFeed(state)
     routes = [
@@ -180,9 +183,11 @@ class GaplessServer:
         port: int = 8000,
         log_level: str = "info",
         engine_thread: ThreadPoolExecutor | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
-        """engine_thread: the thread the engine was loaded on (async_engine.engine_thread)."""
-        self.state = ServerState(engine, settings, engine_thread)
+        """engine_thread: the thread the engine was loaded on (async_engine.engine_thread);
+        tenants: --api-keys' (read before the model loads, so a bad file stops the start)."""
+        self.state = ServerState(engine, settings, engine_thread, tenants)
         self.app = build_app(self.state)
         config = uvicorn.Config(
             self.app,
@@ -206,6 +211,8 @@ class GaplessServer:
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.state.tenants is not None and threading.current_thread() is threading.main_thread():
+            self._loop.add_signal_handler(signal.SIGHUP, self.state.tenants.reload)
         try:
             await self.uvicorn.serve(sockets)
         finally:

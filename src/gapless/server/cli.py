@@ -84,6 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
     from gapless.model.gguf import is_gguf, model_name
     from gapless.model.parallel import ShardError, check_shardable
     from gapless.server.app import GaplessServer
+    from gapless.server.tenants import Tenants
 
     if args.model is None:
         try:
@@ -100,6 +101,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     group = None  # rank 0's, under tensor parallelism
     try:
+        settings = server_settings(args, name)
+        # Before the model loads: a bad key file stops the start at once, naming what is wrong.
+        tenants = Tenants(settings.api_keys) if settings.api_keys is not None else None
         config = engine_config(args)
         launch = Launch(**_chosen(args, Launch), threads=config.num_threads, device=config.device)
         if config.tensor_parallel_size > 1:
@@ -124,7 +128,6 @@ def _serve(args: argparse.Namespace) -> int:
     # default model's start on 2 Zen 3 cores. Requests that come meanwhile queue, and the
     # engine steps them once it is done (the thread runs its work in order).
     thread.submit(_reserve_peak_memory, engine)
-    settings = server_settings(args, name)
     log.info(
         "serving %r from %s: context %d tokens, %d KV blocks of %d tokens",
         name,
@@ -133,7 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine.pool.num_blocks,
         engine.pool.block_size,
     )
-    server = GaplessServer(engine, settings, args.host, args.port, args.log_level, thread)
+    server = GaplessServer(engine, settings, args.host, args.port, args.log_level, thread, tenants)
     return server.run()
 
 

@@ -19,6 +19,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -33,14 +34,14 @@ from gapless.engine.events import Event
 from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
 from gapless.model.describe import ModelDescription, describe
 from gapless.server import protocol
-from gapless.server.protocol import APIError
+from gapless.server.protocol import RETRY_AFTER_S, APIError
 from gapless.server.response_store import ResponseStore
 from gapless.server.settings import ServerSettings
 from gapless.server.streaming import Renderer, json_body, stream_body
+from gapless.server.tenants import CALLER, OverLimit, Tenant, Tenants
 
 log = logging.getLogger("gapless.server")
 
-RETRY_AFTER_S = "1"
 
 # An APIError as one dialect's JSON error body.
 ErrorBody = Callable[[APIError], dict[str, Any]]
@@ -52,9 +53,15 @@ FieldNames = Mapping[str, str]
 
 class ServerState:
     def __init__(
-        self, engine: Engine, settings: ServerSettings, thread: ThreadPoolExecutor | None = None
+        self,
+        engine: Engine,
+        settings: ServerSettings,
+        thread: ThreadPoolExecutor | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
+        """tenants: --api-keys' (then every API request needs one of its keys)."""
         self.engine = engine
+        self.tenants = tenants
         self.async_engine = AsyncEngine(engine, thread)
         self.settings = settings
         self.created = protocol.now()
@@ -108,8 +115,11 @@ class EngineResponse:
         renderer: Renderer,
         events: AsyncIterator[Event],
         stream: bool,
+        tenant: Tenant | None = None,
     ) -> None:
+        """tenant: admitted by Tenants.admit; its count in flight ends with the response."""
         self.state = state
+        self.tenant = tenant
         self.request_id = request_id
         self.renderer = renderer
         self.stream = stream
@@ -130,6 +140,8 @@ class EngineResponse:
         finally:
             await self.body.aclose()
             self.state.request_ended(self.request_id)
+            if self.tenant is not None:
+                self.state.tenants.ended(self.tenant)  # type: ignore[union-attr]
 
     async def _respond(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -229,9 +241,37 @@ async def generate(
         raise draining_error()
     request_id = uuid.uuid4().hex
     shaped = renderer(parsed, request_id)
-    with admission_errors(names):
-        events = state.async_engine.stream(parsed.prompt_ids, parsed.params, request_id)
-    return EngineResponse(state, request_id, shaped, events, parsed.stream)
+    tenant = _admit_caller(state)
+    params = parsed.params if tenant is None else replace(parsed.params, tenant=tenant.name)
+    try:
+        with admission_errors(names):
+            events = state.async_engine.stream(parsed.prompt_ids, params, request_id)
+    except BaseException:
+        _caller_ended(state, tenant)
+        raise
+    return EngineResponse(state, request_id, shaped, events, parsed.stream, tenant)
+
+
+def _admit_caller(state: ServerState) -> Tenant | None:
+    """The caller's tenant, counted in flight (Tenants.admit; a 429 past its limit)."""
+    tenant = CALLER.get()
+    if tenant is not None:
+        try:
+            state.tenants.admit(tenant)  # type: ignore[union-attr]
+        except OverLimit as e:
+            raise APIError(
+                429,
+                str(e),
+                "rate_limit_error",
+                code="too_many_requests",
+                headers={"Retry-After": RETRY_AFTER_S},
+            ) from e
+    return tenant
+
+
+def _caller_ended(state: ServerState, tenant: Tenant | None) -> None:
+    if tenant is not None:
+        state.tenants.ended(tenant)  # type: ignore[union-attr]
 
 
 class ParsedEmbedding(Protocol):
@@ -278,9 +318,14 @@ async def embed(
         raise draining_error()
     request_id = uuid.uuid4().hex
     shaped = renderer(parsed, request_id)
-    with admission_errors(names):
-        events = state.async_engine.embed(parsed.prompts, request_id)
-    return EngineResponse(state, request_id, shaped, events, stream=False)
+    tenant = _admit_caller(state)
+    try:
+        with admission_errors(names):
+            events = state.async_engine.embed(parsed.prompts, request_id)
+    except BaseException:
+        _caller_ended(state, tenant)
+        raise
+    return EngineResponse(state, request_id, shaped, events, stream=False, tenant=tenant)
 
 
 def draining_error() -> APIError:
@@ -360,11 +405,12 @@ async def read_json(state: ServerState, request: Request, contexts: int = 1) -> 
     return body
 
 
-def _authorize(state: ServerState, request: Request) -> None:
-    """The API key, as `Authorization: Bearer <key>` or (Anthropic's way) `x-api-key`."""
+def _authorize(state: ServerState, request: Request) -> Tenant | None:
+    """The API key, as `Authorization: Bearer <key>` or (Anthropic's way) `x-api-key`: the
+    one --api-key names, or one of --api-keys' (its tenant is returned)."""
     key = state.settings.api_key
-    if key is None:
-        return
+    if key is None and state.tenants is None:
+        return None
     given = request.headers.get("x-api-key")
     if given is None:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -375,8 +421,14 @@ def _authorize(state: ServerState, request: Request) -> None:
                 "authentication_error",
                 code="invalid_api_key",
             )
-    if not hmac.compare_digest(given.strip().encode(), key.encode()):
-        raise APIError(401, "incorrect API key", "authentication_error", code="invalid_api_key")
+    given = given.strip()
+    if state.tenants is not None:
+        tenant = state.tenants.identify(given)
+        if tenant is not None:
+            return tenant
+    elif hmac.compare_digest(given.encode(), key.encode()):  # type: ignore[union-attr]
+        return None
+    raise APIError(401, "incorrect API key", "authentication_error", code="invalid_api_key")
 
 
 Handler = Callable[[ServerState, Request], Awaitable[Response]]
@@ -411,7 +463,7 @@ def endpoint(
 
     async def run(request: Request) -> Response:
         try:
-            _authorize(state, request)
+            CALLER.set(_authorize(state, request))
             if request.method == "POST":
                 _require_json(request)
             response = await handler(state, request)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from gapless.engine.engine import Engine
 from gapless.engine.metrics import EngineMetrics
 from gapless.engine.observability import stats
+from gapless.server.tenants import Tenants
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "gapless_"
@@ -28,7 +29,7 @@ def _scalar(lines: list[str], name: str, kind: str, help_text: str, value: int |
     lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
 
 
-def render_metrics(engine: Engine) -> str:
+def render_metrics(engine: Engine, tenants: Tenants | None = None) -> str:
     """All metrics as Prometheus text.
 
     Runs on the event-loop thread while the engine thread steps: the values are plain ints
@@ -61,7 +62,16 @@ def render_metrics(engine: Engine) -> str:
         PREFIX + "step_time_seconds", "Wall time of one engine step (one forward pass)."
     )
     lines += _by_class(metrics)
+    if tenants is not None:
+        name = PREFIX + "tenant_requests_finished_total"
+        lines += [f"# HELP {name} Ended requests by tenant (--api-keys).", f"# TYPE {name} counter"]
+        lines += [f'{name}{{tenant="{_label(t)}"}} {tenants.finished[t]}' for t in tenants.names]
     return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    """A label value as Prometheus' text format escapes it."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _by_class(metrics: EngineMetrics) -> list[str]:

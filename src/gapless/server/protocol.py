@@ -18,6 +18,10 @@ from typing import Any
 
 from gapless.engine.sampling_params import default_service_class
 from gapless.model.tokenizer import is_unicode
+from gapless.server.tenants import CALLER
+
+# Seconds a client is told to wait before retrying a request refused for load (a 503 or 429).
+RETRY_AFTER_S = "1"
 
 
 class APIError(Exception):
@@ -177,7 +181,8 @@ def service_class(
     requested = str_field(body, "service_class")
     if requested is not None:
         return requested
-    return named or default_service_class(n, streamed)
+    caller = CALLER.get()  # an API key's default class comes before the request's shape's
+    return named or (caller and caller.service_class) or default_service_class(n, streamed)
 
 
 def chat_messages(body: dict[str, Any], roles: tuple[str, ...]) -> list[dict[str, Any]]:

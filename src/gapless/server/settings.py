@@ -28,6 +28,12 @@ class ServerSettings:
         "(default: $GAPLESS_API_KEY if set)",
         metavar="KEY",
     )
+    api_keys: str | None = option(
+        None,
+        "a JSON file of API keys and their tenants, each with an optional default service "
+        "class and max_in_flight (docs/server.md, API keys and tenants); reread on SIGHUP",
+        metavar="FILE",
+    )
     max_body_mb: float = option(16.0, "request body size limit in MiB", positive=True)
     shutdown_grace_s: float = option(
         30.0,
@@ -73,6 +79,8 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         check(self)
+        if self.api_key is not None and self.api_keys is not None:
+            raise ValueError("--api-key and --api-keys: choose one (a key file holds many keys)")
 
     @property
     def max_body_bytes(self) -> int:
