@@ -34,7 +34,7 @@ from gapless.engine.events import Event
 from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
 from gapless.model.describe import ModelDescription, describe
 from gapless.server import protocol
-from gapless.server.protocol import RETRY_AFTER_S, APIError
+from gapless.server.protocol import APIError
 from gapless.server.response_store import ResponseStore
 from gapless.server.settings import ServerSettings
 from gapless.server.streaming import Renderer, json_body, stream_body
@@ -178,13 +178,7 @@ def admission_errors(names: FieldNames | None = None) -> Iterator[None]:
     try:
         yield
     except QueueFull as e:
-        raise APIError(
-            503,
-            str(e),
-            "overloaded_error",
-            code="queue_full",
-            headers={"Retry-After": RETRY_AFTER_S},
-        ) from e
+        raise protocol.retry_later(503, str(e), "overloaded_error", "queue_full") from e
     except EngineFailed as e:
         raise APIError(503, f"the engine failed: {e}", "server_error", code="engine_failed") from e
     except (RequestError, SamplingParamsError) as e:
@@ -259,13 +253,7 @@ def _admit_caller(state: ServerState) -> Tenant | None:
         try:
             state.tenants.admit(tenant)  # type: ignore[union-attr]
         except OverLimit as e:
-            raise APIError(
-                429,
-                str(e),
-                "rate_limit_error",
-                code="too_many_requests",
-                headers={"Retry-After": RETRY_AFTER_S},
-            ) from e
+            raise protocol.retry_later(429, str(e), "rate_limit_error", "too_many_requests") from e
     return tenant
 
 
@@ -329,12 +317,8 @@ async def embed(
 
 
 def draining_error() -> APIError:
-    return APIError(
-        503,
-        "the server is shutting down",
-        "overloaded_error",
-        code="shutting_down",
-        headers={"Retry-After": RETRY_AFTER_S},
+    return protocol.retry_later(
+        503, "the server is shutting down", "overloaded_error", "shutting_down"
     )
 
 

@@ -24,6 +24,11 @@ from gapless.server.tenants import CALLER
 RETRY_AFTER_S = "1"
 
 
+def retry_later(status: int, message: str, type: str, code: str) -> APIError:
+    """A refusal for load, with the Retry-After header that tells the client when to retry."""
+    return APIError(status, message, type, code=code, headers={"Retry-After": RETRY_AFTER_S})
+
+
 class APIError(Exception):
     """A refused or failed request: status, message, error type, the field it names, a code.
 
