@@ -244,13 +244,14 @@ class CountingDraft:
     ],
 )
 def test_a_drafts_catch_up_takes_only_what_prompt_chunks_leave(unseen, waiting, room, plans):
-    budget = None if room is None else (lambda contexts, start: room)
+    budget = None if room is None else (lambda contexts, start, target: room)
     draft = CountingDraft(unseen)
     scheduler = Scheduler(
         SchedulerConfig(prefill_chunk=32, idle_prefill_chunk=32),
         BlockPool(512, 16),
         budget,
         draft_unseen=draft.unseen,
+        itl_targets=None if room is None else {"standard": 0.1},
     )
     req = decoding(scheduler, 1)
     if waiting:

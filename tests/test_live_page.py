@@ -199,6 +199,7 @@ def test_summaries_show_counts_and_never_text(server: RunningServer) -> None:
         "index",
         "state",
         "class",
+        "tenant",
         "prompt_tokens",
         "computed",
         "generated",
@@ -207,6 +208,7 @@ def test_summaries_show_counts_and_never_text(server: RunningServer) -> None:
     }
     assert {row["prompt_tokens"] for row in rows} == {len(prompt)}
     assert {row["class"] for row in rows} == {"interactive"}  # a streamed request's default
+    assert {row["tenant"] for row in rows} == {None}  # no --api-keys
     assert {row["id"] for row in rows} == {live_id(streamed["chunks"][0])}
     prefilling = [r["computed"] for r in rows if r["state"] == "prefilling"]
     assert prefilling and prefilling == sorted(prefilling)

@@ -4,15 +4,18 @@ gets, not how long they take."""
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from gapless.engine.admission import PromptImage
+from gapless.engine.config import EngineConfig
 from gapless.engine.request import Request, RequestState
 from gapless.engine.runner import ModelRunner
-from gapless.engine.sampling_params import SamplingParams
+from gapless.engine.sampling_params import SERVICE_CLASSES, SamplingParams
 from gapless.engine.scheduler import Scheduler, SchedulerConfig
 from gapless.kv.block_pool import BlockPool
 from gapless.model.encode_steps import EncodeSteps, EncodeWork
@@ -27,9 +30,14 @@ class FakeCostModel:
         self.target, self.per_decode, self.per_token = target, per_decode, per_token
         self.calls: list[tuple[list[int], int]] = []
 
-    def prefill_budget(self, decode_contexts: list[int], prefill_start: int) -> int:
+    @property
+    def targets(self) -> dict[str, float]:
+        """Its target for every class, as --target-itl-ms gives the scheduler."""
+        return dict.fromkeys(SERVICE_CLASSES, self.target)
+
+    def prefill_budget(self, decode_contexts: list[int], prefill_start: int, target: float) -> int:
         self.calls.append((decode_contexts, prefill_start))
-        spare = self.target - self.per_decode * len(decode_contexts)
+        spare = target - self.per_decode * len(decode_contexts)
         return max(0, int(round(spare / self.per_token, 6)))
 
 
@@ -53,7 +61,9 @@ def run_step(scheduler: Scheduler) -> dict[str, int]:
 
 def decoding_scheduler(model: FakeCostModel, streams: int) -> Scheduler:
     config = SchedulerConfig(min_prefill_chunk=64, prefill_policy="shortest")
-    scheduler = Scheduler(config, BlockPool(2048, 16), model.prefill_budget)
+    scheduler = Scheduler(
+        config, BlockPool(2048, 16), model.prefill_budget, itl_targets=model.targets
+    )
     for i in range(streams):
         scheduler.add(request(f"s{i}", 8))
     run_step(scheduler)  # idle: every short prompt whole
@@ -95,6 +105,40 @@ def test_few_decodes_leave_room_for_a_larger_chunk():
         scheduler.add(request("long", 1000))
     assert run_step(one)["long"] == 140
     assert run_step(many)["long"] == 70
+
+
+def classed(rid: str, n: int, service_class: str) -> Request:
+    params = SamplingParams(max_tokens=10_000, service_class=service_class)
+    return Request(rid, list(range(1, n + 1)), params)
+
+
+def test_the_strictest_class_decoding_sizes_the_step():
+    """--class-itl-ms interactive=150,batch=1000: while only batch requests decode, a prompt
+    takes what fits in 1 s; once an interactive stream decodes beside them, what fits in
+    150 ms; a class without a target decoding alone gets the static chunk."""
+    model = FakeCostModel(target=0, per_decode=0.01, per_token=0.001)
+
+    def scheduler_for(*streams: str) -> Scheduler:
+        scheduler = Scheduler(
+            SchedulerConfig(min_prefill_chunk=64, prefill_chunk=300),
+            BlockPool(4096, 16),
+            model.prefill_budget,
+            itl_targets={"interactive": 0.15, "batch": 1.0},
+        )
+        for i, service_class in enumerate(streams):
+            scheduler.add(classed(f"s{i}", 8, service_class))
+        run_step(scheduler)
+        return scheduler
+
+    scheduler = scheduler_for(*["batch"] * 4)
+    scheduler.add(classed("long", 5000, "batch"))
+    assert run_step(scheduler)["long"] == 960  # (1.0 - 4 x 0.01) / 0.001
+    scheduler.add(classed("chat", 8, "interactive"))
+    assert run_step(scheduler)["chat"] == 8  # its prompt first: a more urgent class
+    assert run_step(scheduler)["long"] == 100  # (0.15 - 5 x 0.01) / 0.001
+    scheduler = scheduler_for("standard", "standard")
+    scheduler.add(classed("long", 5000, "standard"))
+    assert run_step(scheduler)["long"] == 300
 
 
 def test_a_long_prompt_behind_a_stream_of_short_ones_gets_its_first_chunk_within_a_bound():
@@ -222,7 +266,11 @@ def test_under_a_target_the_chunk_shrinks_by_the_encodes_predicted_time():
     model = FakeEncodeCost(0.15, 0.01, 0.001, per_image_token=0.0002)
     config = SchedulerConfig(min_prefill_chunk=64)
     scheduler = Scheduler(
-        config, BlockPool(2048, 16), model.prefill_budget, encode_cost=model.encode_cost
+        config,
+        BlockPool(2048, 16),
+        model.prefill_budget,
+        encode_cost=model.encode_cost,
+        itl_targets=model.targets,
     )
     for i in range(4):
         scheduler.add(request(f"s{i}", 8))
@@ -270,6 +318,7 @@ def test_under_a_target_an_encode_unit_costs_its_share_of_the_encodes_predicted_
         BlockPool(2048, 16),
         model.prefill_budget,
         encode_cost=model.encode_cost,
+        itl_targets=model.targets,
     )
     for i in range(4):
         scheduler.add(request(f"s{i}", 8))
@@ -292,3 +341,21 @@ def test_cancel_mid_encode_frees_the_encode_and_the_blocks():
     scheduler.remove(req)
     assert not req.image_encodes and not req.image_embeds
     assert scheduler.pool.num_used == used
+
+
+def test_class_targets_parse_and_target_itl_ms_fills_the_rest():
+    config = EngineConfig.of(class_itl_ms="interactive=150, batch=2000", target_itl_ms=400)
+    config.class_ttft_ms = "interactive=1500"
+    assert config.latency_targets() == (
+        {"interactive": 1.5},
+        {"interactive": 0.15, "standard": 0.4, "batch": 2.0},
+    )
+    for bad, says in [
+        ("urgent=100", "'urgent' is not a service class"),
+        ("interactive", "'interactive' is not CLASS=MILLISECONDS"),
+        ("interactive=fast", "'interactive=fast' is not CLASS=MILLISECONDS"),
+        ("interactive=0", "interactive's target must be positive"),
+        ("interactive=nan", "interactive's target must be positive"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(f"class_itl_ms: {says}")):
+            EngineConfig.of(class_itl_ms=bad)

@@ -9,6 +9,7 @@ from helpers import greedy, prompt
 
 from gapless import Engine, EngineConfig, SamplingParams
 from gapless.engine.events import FinishedEvent, TokenEvent
+from gapless.engine.observability import summary
 from gapless.engine.plan import StepOutcome
 from gapless.engine.request import Request
 from gapless.engine.sampling_params import SamplingParamsError
@@ -84,6 +85,11 @@ def test_classes_and_tenants_change_no_token(checkpoint):
             engine.add_request(prompt(20 + 9 * i, i), greedy(40, service_class=c, tenant=t))
             for i, (c, t) in enumerate(zip(classes, tenants, strict=True))
         ]
+        # The live page's rows name each request's class and tenant.
+        rows = summary(engine)["requests"]
+        assert [(r["class"], r["tenant"]) for r in rows] == [
+            (c or "standard", t) for c, t in zip(classes, tenants, strict=True)
+        ]
         out: dict[str, list[int]] = {}
         preempted = 0
         while engine.has_work:
@@ -138,3 +144,36 @@ def test_a_tenant_that_comes_back_is_not_owed_its_idle_time():
     scheduler.add(tenant_request("bb", 4000, "b", 1))
     owners = [step(scheduler)[0][0] for _ in range(10)]
     assert owners.count("a") >= 4 and owners.count("bb") >= 4, owners
+
+
+def test_an_interactive_request_takes_a_batch_requests_place_in_a_full_batch():
+    """max_num_seqs 2, both slots held by decoding batch requests: a chat arriving preempts
+    the newer of them at once, instead of waiting for one to end; the batch request resumes
+    once the chat ends, from its cached prefix."""
+    config = SchedulerConfig(max_num_seqs=2, prefill_chunk=64, idle_prefill_chunk=64)
+    scheduler = Scheduler(config, BlockPool(64, 16))
+    old, new = request("old", 20, "batch"), request("new", 20, "batch")
+    for r in (old, new):
+        scheduler.add(r)
+        step(scheduler)
+    chat = request("chat", 20, "interactive")
+    scheduler.add(chat)
+    plan = scheduler.schedule()
+    assert plan.preempted == [new]
+    assert [(c.request.request_id, c.num_tokens) for c in plan.chunks] == [("old", 1), ("chat", 20)]
+    scheduler.update(plan, StepOutcome(computed=plan.chunks, sampled=[old, chat]))
+    assert scheduler.waiting == [new]
+    assert step(scheduler) == [("chat", 1), ("old", 1)]  # a batch request never preempts
+    scheduler.finish([chat])
+    # Its prompt and token again, 21, less the full block its prefix cache kept.
+    assert step(scheduler) == [("old", 1), ("new", 5)]
+
+
+def test_a_request_of_the_same_class_waits_for_a_slot():
+    config = SchedulerConfig(max_num_seqs=1)
+    scheduler = Scheduler(config, BlockPool(64, 16))
+    scheduler.add(request("first", 20, "interactive"))
+    step(scheduler)
+    scheduler.add(request("second", 20, "interactive"))
+    plan = scheduler.schedule()
+    assert plan.preempted == [] and [c.request.request_id for c in plan.chunks] == ["first"]

@@ -19,13 +19,15 @@ import pytest
 from server_fixture import MODEL, running_server
 from test_server_cli import ServerProcess, _port, start_server  # noqa: F401 - a fixture
 
+from gapless.server import tenants as tenants_module
 from gapless.server.settings import ServerSettings
-from gapless.server.tenants import KeyFileError, Tenants
+from gapless.server.tenants import KeyFileError, OverLimit, Tenant, Tenants
 
 KEYS = {
     "keys": {
         "sk-acme": {"tenant": "acme", "class": "batch", "max_in_flight": 1},
         "sk-zeta": {"tenant": "zeta"},
+        "sk-tight": {"tenant": "tight", "tokens_per_minute": 40},
     }
 }
 
@@ -80,7 +82,7 @@ def test_a_wrong_or_missing_key_is_refused(served):
 def test_a_tenant_past_its_limit_gets_429_in_each_dialects_shape(served):
     server, tenants = served
     acme = tenants.identify("sk-acme")
-    tenants.admit(acme)  # acme's one request in flight (max_in_flight 1)
+    tenants.admit(acme, 1)  # acme's one request in flight (max_in_flight 1)
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http:
             body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -99,6 +101,57 @@ def test_a_tenant_past_its_limit_gets_429_in_each_dialects_shape(served):
     finally:
         tenants.ended(acme)
     assert tenants.in_flight("acme") == 0
+
+
+def test_tokens_per_minute_counts_prompts_and_outputs_over_the_last_minute(tmp_path, monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(tenants_module.time, "monotonic", lambda: now[0])
+    tenants = Tenants(write(tmp_path / "keys.json", KEYS))
+    tight = Tenant("tight", tokens_per_minute=100)
+    tenants.admit(tight, 30)
+    now[0] += 10
+    tenants.spend(tight, 50)  # its output, as generated
+    tenants.admit(tight, 20)  # 100 in the window: at the limit, not past it
+    now[0] += 10
+    with pytest.raises(OverLimit) as refused:
+        tenants.admit(tight, 5)
+    # The window drops the first 30 tokens 60 s after they came: 40 s from now.
+    assert refused.value.retry_after_s == 40
+    assert tenants.in_flight("tight") == 2  # a refused request is not counted in flight
+    now[0] += 40
+    tenants.admit(tight, 5)
+    # A prompt larger than the limit alone is admitted once the window is empty.
+    now[0] += 61
+    tenants.admit(tight, 500)
+    with pytest.raises(OverLimit):
+        tenants.admit(tight, 1)
+
+
+def test_a_tenant_past_its_tokens_per_minute_gets_429_and_others_do_not(served):
+    server, tenants = served
+    tight = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-tight", max_retries=0)
+    done = tight.completions.create(
+        model=MODEL, prompt="hi", max_tokens=40, extra_body={"ignore_eos": True}
+    )
+    assert done.usage.completion_tokens == 40  # its output counted as generated: 40 + prompt
+    with pytest.raises(openai.RateLimitError) as refused:
+        tight.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert 50 <= int(refused.value.response.headers["retry-after"]) <= 60
+    assert "tokens per minute" in refused.value.message
+    other = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-zeta")
+    other.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+
+
+def test_metrics_have_each_tenants_latencies_and_only_the_files_tenants(served):
+    server, _ = served
+    before = labelled(server.url, "tenant_time_to_first_token_seconds_count", "tenant")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-zeta")
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+    after = labelled(server.url, "tenant_time_to_first_token_seconds_count", "tenant")
+    assert set(after) == {"acme", "tight", "zeta"}
+    assert after["zeta"] == before["zeta"] + 1
+    itl = labelled(server.url, "tenant_inter_token_latency_seconds_count", "tenant")
+    assert itl["zeta"] >= 2
 
 
 def test_a_tenants_count_ends_with_its_request_however_it_ends(served):
@@ -135,6 +188,7 @@ def test_a_tenants_count_ends_with_its_request_however_it_ends(served):
         ({"keys": {"sk-secret": {}}}, "key 1: tenant must be a non-empty string"),
         ({"keys": {"sk-secret": {"tenant": "a", "class": "urgent"}}}, "key 1: class must be"),
         ({"keys": {"sk-secret": {"tenant": "a", "max_in_flight": 0}}}, "key 1: max_in_flight"),
+        ({"keys": {"sk-secret": {"tenant": "a", "tokens_per_minute": 1.5}}}, "tokens_per_minute"),
         ({"keys": {"sk-secret": {"tenant": "a", "limit": 3}}}, "key 1: unknown fields"),
     ],
 )

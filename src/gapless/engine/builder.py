@@ -5,7 +5,6 @@ size, the ranks of a tensor-parallel group)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,7 +110,7 @@ def kv_runner(
         config.block_size,
         per_token,
         scheduling.max_num_seqs,
-        scheduling.max_step_tokens(config.target_itl_ms is not None),
+        scheduling.max_step_tokens(bool(config.latency_targets()[1])),
         config.max_model_len or mcfg.max_position_embeddings,
         config.kv_cache_tokens,
         int(config.kv_memory_gib * 2**30),
@@ -125,12 +124,10 @@ def cost_model(config: EngineConfig, vision: bool) -> StepCostModel | None:
     prompt budget), or images (with a target or without: a tower block costs as many as a
     few hundred prompt tokens on a CPU, where its placeholder tokens' share said ~30;
     docs/vision.md)."""
-    target = config.target_itl_ms
-    if target is None and not vision:
+    _, itl_targets = config.latency_targets()
+    if not itl_targets and not vision:
         return None
     scheduling = config.scheduler
     return StepCostModel(
-        math.inf if target is None else target / 1000,
-        min(scheduling.prefill_chunk, LEARNING_CHUNK),
-        scheduling.idle_prefill_chunk,
+        min(scheduling.prefill_chunk, LEARNING_CHUNK), scheduling.idle_prefill_chunk
     )

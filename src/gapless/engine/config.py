@@ -10,6 +10,7 @@ from typing import Any
 from gapless.engine import distributed
 from gapless.engine.options import check, option, split
 from gapless.engine.request import POOLINGS
+from gapless.engine.sampling_params import SERVICE_CLASSES
 from gapless.engine.scheduler import SchedulerConfig
 from gapless.kernels import DTYPES
 from gapless.model.quantize import (
@@ -65,9 +66,23 @@ class EngineConfig:
     )
     target_itl_ms: float | None = option(
         None,
-        "size prefill chunks so decode steps stay under this inter-token latency",
+        "size prefill chunks so decode steps stay under this inter-token latency (every "
+        "service class's target but those --class-itl-ms names)",
         positive=True,
         metavar="MS",
+    )
+    class_itl_ms: str | None = option(
+        None,
+        "inter-token latency targets by service class, e.g. interactive=150,standard=400: "
+        "each step's prompt chunks are sized so that the strictest class decoding in it meets "
+        "its target",
+        metavar="CLASS=MS,...",
+    )
+    class_ttft_ms: str | None = option(
+        None,
+        "time-to-first-token targets by service class, e.g. interactive=2000: /metrics and "
+        "the live page count the first tokens that missed them",
+        metavar="CLASS=MS,...",
     )
     max_queue: int | None = option(
         None, "waiting requests beyond this get 503 (default: no limit)", minimum=0
@@ -132,13 +147,42 @@ class EngineConfig:
     def __post_init__(self) -> None:
         quantizer(self.quantize, self.quantize_group_size)  # its own messages name the choices
         check(self)
+        self.latency_targets()  # raises on a malformed --class-*-ms
         if (self.speculate == "draft") != (self.draft_model is not None):
             raise ValueError("--speculate draft and --draft-model go together")
         if self.draft_model is not None and self.tensor_parallel_size > 1:
             raise ValueError("a draft model runs without tensor parallelism")
+
+    def latency_targets(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The TTFT and ITL targets by service class, in seconds; a class without one is
+        absent. --target-itl-ms is the ITL target of every class --class-itl-ms leaves out."""
+        itl = {c: self.target_itl_ms / 1000 for c in SERVICE_CLASSES if self.target_itl_ms}
+        itl |= _class_targets("class_itl_ms", self.class_itl_ms)
+        return _class_targets("class_ttft_ms", self.class_ttft_ms), itl
 
     @classmethod
     def of(cls, **options: Any) -> EngineConfig:
         """From options by name, the engine's and the scheduler's alike."""
         mine, scheduler = split(options, cls, SchedulerConfig)
         return cls(**mine, scheduler=SchedulerConfig(**scheduler))
+
+
+def _class_targets(name: str, value: str | None) -> dict[str, float]:
+    """`interactive=150,standard=400` (milliseconds) as seconds by class."""
+    targets: dict[str, float] = {}
+    for item in (value or "").split(","):
+        if not item.strip():
+            continue
+        service_class, _, ms = item.partition("=")
+        service_class = service_class.strip()
+        if service_class not in SERVICE_CLASSES:
+            classes = ", ".join(SERVICE_CLASSES)
+            raise ValueError(f"{name}: {service_class!r} is not a service class ({classes})")
+        try:
+            seconds = float(ms) / 1000
+        except ValueError:
+            raise ValueError(f"{name}: {item.strip()!r} is not CLASS=MILLISECONDS") from None
+        if not seconds > 0 or seconds == float("inf"):
+            raise ValueError(f"{name}: {service_class}'s target must be positive, got {ms!r}")
+        targets[service_class] = seconds
+    return targets

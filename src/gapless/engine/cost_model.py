@@ -69,8 +69,7 @@ def plan_features(plan: StepPlan) -> list[float]:
 
 
 class StepCostModel:
-    def __init__(self, target_s: float, fallback_chunk: int, max_chunk: int = 8192) -> None:
-        self.target_s = target_s
+    def __init__(self, fallback_chunk: int, max_chunk: int = 8192) -> None:
         self.fallback_chunk = fallback_chunk  # used until enough steps have been seen
         self.max_chunk = max_chunk
         self._samples: deque[tuple[list[float], float]] = deque(maxlen=WINDOW)
@@ -125,12 +124,14 @@ class StepCostModel:
         ratios = torch.tensor(list(self._ratios), dtype=torch.float64)
         return max(1.0, float(torch.quantile(ratios, CALIBRATION_QUANTILE)))
 
-    def prefill_budget(self, decode_contexts: list[int], prefill_start: int) -> int:
-        """Prompt tokens this step can take, given its decodes and where the next chunk starts:
-        0 when the decodes alone are predicted to use the target."""
+    def prefill_budget(
+        self, decode_contexts: list[int], prefill_start: int, target_s: float
+    ) -> int:
+        """Prompt tokens this step can take within target_s seconds, given its decodes and where
+        the next chunk starts: 0 when the decodes alone are predicted to use the target."""
         if not self.trained:
             return self.fallback_chunk
-        target = self.target_s / self.underestimate
+        target = target_s / self.underestimate
         lo, hi = 0, self.max_chunk
         while lo < hi:  # largest n whose predicted step time meets the target
             mid = (lo + hi + 1) // 2

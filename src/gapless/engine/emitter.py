@@ -79,12 +79,12 @@ class Emitter:
 
     def _observe_token(self, req: Request) -> None:
         now = time.monotonic()
-        service_class = req.params.service_class
+        share = req.params.service_class, req.params.tenant
         if req.first_token_time is None:
             req.first_token_time = now
-            self.metrics.first_token(service_class, now - req.arrival_time)
+            self.metrics.first_token(*share, now - req.arrival_time)
         else:
-            self.metrics.next_token(service_class, now - req.last_token_time)
+            self.metrics.next_token(*share, now - req.last_token_time)
         req.last_token_time = now
         self.metrics.generation_tokens += 1
 
@@ -108,7 +108,7 @@ class Emitter:
             self.draft.release(req)
         req.finish_time = time.monotonic()
         self.intake.ended(req)
-        self.metrics.finished(req.params.service_class, reason)
+        self.metrics.finished(req.params.service_class, req.params.tenant, reason)
         self._events.append(
             FinishedEvent(
                 req.request_id,

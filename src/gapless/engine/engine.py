@@ -80,10 +80,11 @@ class Engine:
         if chunked and not runner.supports_chunked_prefill:
             log.warning("this model runner cannot prefill in chunks: prefilling every prompt whole")
         self.cost_model = builder.cost_model(config, vision is not None)
+        ttft_targets, itl_targets = config.latency_targets()
         budget = encode_cost = None
         if self.cost_model is not None:
             encode_cost = self.cost_model.encode_cost
-            if config.target_itl_ms is not None:
+            if itl_targets:
                 budget = self.cost_model.prefill_budget
         self.scheduler = Scheduler(
             scheduling,
@@ -94,8 +95,9 @@ class Engine:
             window_groups,
             encode_cost,
             None if self.draft is None else self.draft.unseen,
+            itl_targets,
         )
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(ttft_targets, itl_targets)
         self.num_steps = 0
         # The last step that ran: its decode tokens, prompt tokens and wall time (summary()).
         self.last_step = (0, 0, 0.0)

@@ -65,17 +65,34 @@ _LATENCY_BUCKETS = [
 ]
 
 
-class ClassMetrics:
-    """One service class's share of the request metrics."""
+class ShareMetrics:
+    """One service class's, or one tenant's, share of the request metrics; with a latency
+    target, how many of its tokens missed it."""
 
-    def __init__(self) -> None:
+    def __init__(self, ttft_target: float | None = None, itl_target: float | None = None) -> None:
         self.time_to_first_token = Histogram(_LATENCY_BUCKETS)
         self.inter_token_latency = Histogram(_LATENCY_BUCKETS)
         self.requests_finished = 0
+        self.ttft_target, self.itl_target = ttft_target, itl_target
+        self.ttft_missed = 0  # first tokens later than ttft_target
+        self.itl_missed = 0  # next tokens later than itl_target after the one before
+
+    def first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+        self.ttft_missed += self.ttft_target is not None and seconds > self.ttft_target
+
+    def next_token(self, seconds: float) -> None:
+        self.inter_token_latency.observe(seconds)
+        self.itl_missed += self.itl_target is not None and seconds > self.itl_target
 
 
 class EngineMetrics:
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        ttft_targets: dict[str, float] | None = None,
+        itl_targets: dict[str, float] | None = None,
+    ) -> None:
+        """ttft_targets, itl_targets: seconds, by service class (EngineConfig.latency_targets)."""
         self.time_to_first_token = Histogram(_LATENCY_BUCKETS)
         self.inter_token_latency = Histogram(_LATENCY_BUCKETS)
         self.step_time = Histogram(_LATENCY_BUCKETS)
@@ -85,16 +102,29 @@ class EngineMetrics:
         self.speculative_accepted_tokens = 0
         self.requests_finished: dict[str, int] = {}
         # Every class from the start, so that the label set is fixed and each series exists.
-        self.by_class = {name: ClassMetrics() for name in SERVICE_CLASSES}
+        ttft, itl = ttft_targets or {}, itl_targets or {}
+        self.by_class = {c: ShareMetrics(ttft.get(c), itl.get(c)) for c in SERVICE_CLASSES}
+        # Tenants as they come (SamplingParams.tenant: the server's come from its key file,
+        # which bounds them; it exports only the file's current tenants).
+        self.by_tenant: dict[str, ShareMetrics] = {}
 
-    def first_token(self, service_class: str, seconds: float) -> None:
+    def _shares(self, service_class: str, tenant: str | None) -> list[ShareMetrics]:
+        shares = [self.by_class[service_class]]
+        if tenant is not None:
+            shares.append(self.by_tenant.setdefault(tenant, ShareMetrics()))
+        return shares
+
+    def first_token(self, service_class: str, tenant: str | None, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)
-        self.by_class[service_class].time_to_first_token.observe(seconds)
+        for share in self._shares(service_class, tenant):
+            share.first_token(seconds)
 
-    def next_token(self, service_class: str, seconds: float) -> None:
+    def next_token(self, service_class: str, tenant: str | None, seconds: float) -> None:
         self.inter_token_latency.observe(seconds)
-        self.by_class[service_class].inter_token_latency.observe(seconds)
+        for share in self._shares(service_class, tenant):
+            share.next_token(seconds)
 
-    def finished(self, service_class: str, reason: str) -> None:
+    def finished(self, service_class: str, tenant: str | None, reason: str) -> None:
         self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
-        self.by_class[service_class].requests_finished += 1
+        for share in self._shares(service_class, tenant):
+            share.requests_finished += 1

@@ -37,7 +37,7 @@ def stats(engine: Engine) -> dict[str, int]:
 
 def summary(engine: Engine, max_rows: int = 100) -> dict[str, Any]:
     """For the live view (server/live.py): each live sequence's short id, state, service
-    class, counts and timings (running ones first, then the queue, at most max_rows), the
+    class, tenant (None without --api-keys), counts and timings (running ones first, then the queue, at most max_rows), the
     last step's token counts and the KV blocks in use. Call it on the engine thread, between
     steps."""
     now = time.monotonic()
@@ -53,6 +53,7 @@ def summary(engine: Engine, max_rows: int = 100) -> dict[str, Any]:
                 "index": req.index,
                 "state": req.state.value,
                 "class": req.params.service_class,
+                "tenant": req.params.tenant,
                 "prompt_tokens": prompt,
                 "computed": min(req.num_computed, prompt),
                 "generated": len(req.output_ids),

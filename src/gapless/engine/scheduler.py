@@ -4,7 +4,9 @@ Each step is one hybrid batch:
 1. Every decoding request gets exactly one token. Decodes go first, so an active stream
    never waits for someone else's prompt. If the KV pool cannot hold the next tokens, a
    request is preempted (blocks freed, requeued, recomputed later): one of the least urgent
-   service class present, and within it the most recently admitted.
+   service class present, and within it the most recently admitted. A waiting request that
+   finds the batch full (`max_num_seqs`) or the KV pool short of its first chunk preempts a
+   running request of a less urgent class the same way, before any decode is scheduled.
 2. What is left of the token budget goes to prompt chunks. The budget is `prefill_chunk`
    while anyone decodes, and `idle_prefill_chunk` when nobody does, so an idle server
    prefills at full speed. Under a latency target it is what the cost model predicts fits
@@ -195,17 +197,20 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         pool: BlockPool,
-        prefill_budget: Callable[[list[int], int], int] | None = None,
+        prefill_budget: Callable[[list[int], int, float], int] | None = None,
         window: int | None = None,
         max_model_len: int | None = None,
         window_groups: list[KVGroup] | None = None,
         encode_cost: Callable[[int, int], int] | None = None,
         draft_unseen: Callable[[Request], int] | None = None,
+        itl_targets: dict[str, float] | None = None,
     ) -> None:
         """`pool` and `window`: KV group 0's (kv/groups.py), whose blocks are each request's
         block_table; `window_groups`: the sliding-window groups of a hybrid model, whose blocks
         are its window_tables. `draft_unseen`: with a draft model, how many of a request's
-        tokens it has yet to read (DraftModel.unseen); None: proposals come by prompt lookup."""
+        tokens it has yet to read (DraftModel.unseen); None: proposals come by prompt lookup.
+        `itl_targets`: seconds between tokens by service class, which prefill_budget sizes a
+        step's prompt tokens for (EngineConfig.latency_targets)."""
         self.config = config
         self.policy = PREFILL_POLICIES[config.prefill_policy]
         self.fair_share = FairShare()
@@ -215,8 +220,9 @@ class Scheduler:
         self.groups = [KVGroup(pool, window), *(window_groups or [])]
         self.max_model_len = max_model_len  # proposals never reach past it
         # A latency target replaces the static chunk budget when decodes run. It is given the
-        # decodes' context lengths and where the first prompt chunk starts.
+        # decodes' context lengths, where the first prompt chunk starts and the target.
         self.prefill_budget = prefill_budget
+        self.itl_targets = itl_targets or {}
         # An encode's charge against the prompt budget, given its placeholder tokens and where
         # the chunk starts (None: its placeholder tokens).
         self.encode_cost = encode_cost
@@ -249,6 +255,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """What the next step runs. Calls no model: a draft model's work is in the plan's
         drafts, and its proposals come back through verify()."""
+        self._make_room_for_urgent()
         decodes = self._schedule_decodes()
         chunks = list(decodes)
         self.steps += 1
@@ -259,18 +266,19 @@ class Scheduler:
             key=lambda r: (urgency(r), self.fair_share.key(r), self.policy.key(r, self.steps))
         )
         speculating = any(c.request.speculation is not None for c in decodes)
+        target = self._step_target(decodes)
         if not chunks:
             budget = self.config.idle_prefill_chunk
-        elif self.prefill_budget is not None and (candidates or speculating):
+        elif self.prefill_budget is not None and target is not None and (candidates or speculating):
             contexts = [c.request.num_computed + 1 for c in chunks]
             start = candidates[0].num_computed if candidates else 0
-            budget = self.prefill_budget(contexts, start)
+            budget = self.prefill_budget(contexts, start, target)
         else:
             budget = self.config.prefill_chunk
         # Under a latency target prompts move at least min_prefill_chunk tokens a step, and
         # speculation gets only what the target leaves after them.
         left = budget
-        if chunks and self.prefill_budget is not None:
+        if chunks and target is not None:
             budget = max(budget, self.config.min_prefill_chunk)
         for request in candidates:
             if budget <= 0:
@@ -303,6 +311,12 @@ class Scheduler:
                 starting = sum(len(f.children) for f in forks)  # of the step's earlier forks
                 forks.append(self._plan_fork(chunk.request, starting))
         return StepPlan(chunks, drafts, preempted, forks)
+
+    def _step_target(self, decodes: list[ScheduledChunk]) -> float | None:
+        """The step's inter-token latency target: the strictest of its decodes' classes' (None
+        when none of them has one: the static chunk budget)."""
+        classes = {c.request.params.service_class for c in decodes}
+        return min((self.itl_targets[c] for c in classes & self.itl_targets.keys()), default=None)
 
     def _encodes(
         self, request: Request, n: int, budget: int, first: bool
@@ -407,6 +421,26 @@ class Scheduler:
             if request in self.running:
                 chunks.append(ScheduledChunk(request, 1))
         return chunks
+
+    def _make_room_for_urgent(self) -> None:
+        """A waiting request that admission would refuse (the batch full at max_num_seqs, or
+        the KV pool short of its first chunk) takes the place of a running request of a less
+        urgent class: the least urgent is preempted, as under KV pressure. So a chat arriving
+        at a server full of batch work waits for no batch request to end."""
+        for request in sorted(self.waiting, key=urgency):
+            while not self._has_room(request):
+                victim = max(self.running, key=precedence, default=None)
+                if victim is None or urgency(victim) <= urgency(request):
+                    return
+                self.preempt(victim)
+
+    def _has_room(self, request: Request) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        first = request.num_uncomputed
+        if not request.whole_prefill:
+            first = min(first, self.config.prefill_chunk)
+        return self.pool.num_available > first // self.pool.block_size
 
     def preempt(self, request: Request) -> None:
         """Frees a running request's KV and requeues it at the front; it recomputes later."""

@@ -30,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 from gapless.engine.admission import RequestError
 from gapless.engine.async_engine import AsyncEngine
 from gapless.engine.engine import Engine, EngineFailed, QueueFull
-from gapless.engine.events import Event
+from gapless.engine.events import Event, TokenEvent
 from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
 from gapless.model.describe import ModelDescription, describe
 from gapless.server import protocol
@@ -235,7 +235,7 @@ async def generate(
         raise draining_error()
     request_id = uuid.uuid4().hex
     shaped = renderer(parsed, request_id)
-    tenant = _admit_caller(state)
+    tenant = _admit_caller(state, len(parsed.prompt_ids))
     params = parsed.params if tenant is None else replace(parsed.params, tenant=tenant.name)
     try:
         with admission_errors(names):
@@ -243,17 +243,34 @@ async def generate(
     except BaseException:
         _caller_ended(state, tenant)
         raise
+    if tenant is not None and tenant.tokens_per_minute is not None:
+        events = _charged(events, state.tenants, tenant)  # type: ignore[arg-type]
     return EngineResponse(state, request_id, shaped, events, parsed.stream, tenant)
 
 
-def _admit_caller(state: ServerState) -> Tenant | None:
-    """The caller's tenant, counted in flight (Tenants.admit; a 429 past its limit)."""
+async def _charged(
+    events: AsyncIterator[Event], tenants: Tenants, tenant: Tenant
+) -> AsyncIterator[Event]:
+    """The events, with each output token spent against the tenant's tokens_per_minute."""
+    try:
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                tenants.spend(tenant, len(event.token_ids))
+            yield event
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]  # cancels the request if unfinished
+
+
+def _admit_caller(state: ServerState, prompt_tokens: int) -> Tenant | None:
+    """The caller's tenant, counted in flight (Tenants.admit; a 429 past its limits)."""
     tenant = CALLER.get()
     if tenant is not None:
         try:
-            state.tenants.admit(tenant)  # type: ignore[union-attr]
+            state.tenants.admit(tenant, prompt_tokens)  # type: ignore[union-attr]
         except OverLimit as e:
-            raise protocol.retry_later(429, str(e), "rate_limit_error", "too_many_requests") from e
+            raise protocol.retry_later(
+                429, str(e), "rate_limit_error", "too_many_requests", e.retry_after_s
+            ) from e
     return tenant
 
 
@@ -306,7 +323,7 @@ async def embed(
         raise draining_error()
     request_id = uuid.uuid4().hex
     shaped = renderer(parsed, request_id)
-    tenant = _admit_caller(state)
+    tenant = _admit_caller(state, sum(map(len, parsed.prompts)))
     try:
         with admission_errors(names):
             events = state.async_engine.embed(parsed.prompts, request_id)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gapless.engine.engine import Engine
-from gapless.engine.metrics import EngineMetrics
+from gapless.engine.metrics import ShareMetrics
 from gapless.engine.observability import stats
 from gapless.server.tenants import Tenants
 
@@ -61,11 +61,14 @@ def render_metrics(engine: Engine, tenants: Tenants | None = None) -> str:
     lines += metrics.step_time.render(
         PREFIX + "step_time_seconds", "Wall time of one engine step (one forward pass)."
     )
-    lines += _by_class(metrics)
+    lines += _by_class(metrics.by_class)
     if tenants is not None:
         name = PREFIX + "tenant_requests_finished_total"
         lines += [f"# HELP {name} Ended requests by tenant (--api-keys).", f"# TYPE {name} counter"]
         lines += [f'{name}{{tenant="{_label(t)}"}} {tenants.finished[t]}' for t in tenants.names]
+        # The key file's tenants only: a bounded label set, whatever clients send.
+        by_tenant = {t: metrics.by_tenant.get(t, ShareMetrics()) for t in tenants.names}
+        lines += _latencies("tenant", by_tenant, "tenant")
     return "\n".join(lines) + "\n"
 
 
@@ -74,19 +77,34 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def _by_class(metrics: EngineMetrics) -> list[str]:
+def _by_class(shares: dict[str, ShareMetrics]) -> list[str]:
     """The request metrics again, per service class: each family labelled `class`, with one
-    series for each of SERVICE_CLASSES (the unlabelled families above are their sums)."""
-    classes = metrics.by_class
+    series for each of SERVICE_CLASSES (the unlabelled families above are their sums), and
+    the tokens that missed the class's targets (--class-ttft-ms, --class-itl-ms)."""
     name = PREFIX + "class_requests_finished_total"
     lines = [f"# HELP {name} Finished requests by service class.", f"# TYPE {name} counter"]
-    lines += [f'{name}{{class="{c}"}} {m.requests_finished}' for c, m in classes.items()]
+    lines += [f'{name}{{class="{c}"}} {m.requests_finished}' for c, m in shares.items()]
     for family, help_text in (
-        ("time_to_first_token", "Time from arrival to the first output token, by service class."),
-        ("inter_token_latency", "Time between consecutive output tokens, by service class."),
+        ("ttft", "First tokens later than their class's time-to-first-token target."),
+        ("itl", "Output tokens later than their class's inter-token latency target."),
     ):
-        name = f"{PREFIX}class_{family}_seconds"
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        for c, m in classes.items():
-            lines += getattr(m, family).samples(name, f'class="{c}"')
+        name = f"{PREFIX}class_{family}_target_missed_total"
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+        lines += [
+            f'{name}{{class="{c}"}} {getattr(m, family + "_missed")}' for c, m in shares.items()
+        ]
+    return lines + _latencies("class", shares, "service class")
+
+
+def _latencies(label: str, shares: dict[str, ShareMetrics], what: str) -> list[str]:
+    """TTFT and ITL histograms, one series per share, labelled `label`."""
+    lines = []
+    for family, help_text in (
+        ("time_to_first_token", "Time from arrival to the first output token"),
+        ("inter_token_latency", "Time between consecutive output tokens"),
+    ):
+        name = f"{PREFIX}{label}_{family}_seconds"
+        lines += [f"# HELP {name} {help_text}, by {what}.", f"# TYPE {name} histogram"]
+        for c, m in shares.items():
+            lines += getattr(m, family).samples(name, f'{label}="{_label(c)}"')
     return lines

@@ -21,12 +21,14 @@ from gapless.model.tokenizer import is_unicode
 from gapless.server.tenants import CALLER
 
 # Seconds a client is told to wait before retrying a request refused for load (a 503 or 429).
-RETRY_AFTER_S = "1"
+RETRY_AFTER_S = 1
 
 
-def retry_later(status: int, message: str, type: str, code: str) -> APIError:
+def retry_later(
+    status: int, message: str, type: str, code: str, retry_after_s: int = RETRY_AFTER_S
+) -> APIError:
     """A refusal for load, with the Retry-After header that tells the client when to retry."""
-    return APIError(status, message, type, code=code, headers={"Retry-After": RETRY_AFTER_S})
+    return APIError(status, message, type, code=code, headers={"Retry-After": str(retry_after_s)})
 
 
 class APIError(Exception):

@@ -237,6 +237,7 @@ function render(s) {
       cell(q.index ? `${q.id} #${q.index}` : q.id, "id"),
       cell(q.state, `state ${q.state}`),
       cell(q.class, "class"),
+      cell(q.tenant ?? "", "tenant"),
       prefill,
       cell(String(q.generated), "generated"),
       cell(seconds(q.age_s)),
