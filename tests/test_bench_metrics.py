@@ -17,7 +17,7 @@ from gapless.bench.metrics import (
     tpot,
     ttft,
 )
-from gapless.bench.workloads import WorkloadSpec, build_workload
+from gapless.bench.workloads import WorkloadSpec, build_workload, parse_shares
 
 
 def test_percentile_interpolates_between_ranks():
@@ -142,6 +142,28 @@ def test_workloads_are_seeded():
     assert all(16 <= len(r.prompt) <= 8192 and 32 <= r.max_tokens <= 256 for r in a)
     assert all(100 <= t < 32000 for r in a for t in r.prompt)
     assert [r.arrival_s for r in a] == sorted(r.arrival_s for r in a)
+
+
+def test_the_mix_draws_classes_and_tenants_by_weight_and_shapes_by_class():
+    spec = WorkloadSpec("mix", num_requests=400, rate=10.0, tenants=(("light", 1), ("heavy", 10)))
+    reqs = build_workload(spec)
+    assert reqs == build_workload(spec)
+    batch = [r for r in reqs if r.service_class == "batch"]
+    chat = [r for r in reqs if r.service_class == "interactive"]
+    assert 0.7 < len(batch) / len(reqs) < 0.9  # interactive=0.2, batch=0.8 by default
+    assert 0.03 < sum(r.tenant == "light" for r in reqs) / len(reqs) < 0.15
+    median = lambda rs, f: sorted(map(f, rs))[len(rs) // 2]  # noqa: E731
+    assert 800 < median(batch, lambda r: len(r.prompt)) < 1300
+    assert 200 < median(chat, lambda r: len(r.prompt)) < 320
+    assert median(batch, lambda r: r.max_tokens) > 2 * median(chat, lambda r: r.max_tokens)
+    short = build_workload(WorkloadSpec("mix", num_requests=50, max_model_len=512))
+    assert all(len(r.prompt) + r.max_tokens <= 512 for r in short)
+    with pytest.raises(ValueError, match="unknown service classes"):
+        build_workload(WorkloadSpec("mix", mix=(("urgent", 1),)))
+    assert parse_shares("interactive=0.2, batch=0.8") == (("interactive", 0.2), ("batch", 0.8))
+    for bad in ("interactive", "a=0", ""):
+        with pytest.raises(ValueError):
+            parse_shares(bad)
 
 
 def test_stall_and_prefix_shapes():

@@ -52,10 +52,15 @@ FAKE_TOKEN_S = 0.01
 FAKE_PREFILL_CHUNK = 64
 
 
+# What the fake server was sent: each request's service_class and Authorization header.
+SENT: list[tuple[str | None, str | None]] = []
+
+
 async def _fake_completions(request: Request) -> StreamingResponse:
     """A server that prefills in chunks (progress comments) and streams one token per chunk."""
     body = await request.json()
     prompt, n = body["prompt"], body["max_tokens"]
+    SENT.append((body.get("service_class"), request.headers.get("authorization")))
 
     async def events():
         for done in range(FAKE_PREFILL_CHUNK, len(prompt) + FAKE_PREFILL_CHUNK, FAKE_PREFILL_CHUNK):
@@ -161,6 +166,42 @@ def test_bench_against_fake_server(fake_server, tmp_path):
     assert "| metric | default |" in table and "TTFT p50 (ms)" in table
     _assert_png(out / "timeline.png")
     _assert_png(out / "itl_cdf.png")
+
+
+def test_the_mix_sends_each_requests_class_and_tenants_key_and_reports_each(fake_server, tmp_path):
+    out = tmp_path / "out"
+    SENT.clear()
+    argv = ["--url", fake_server, "--model", "fake", "--vocab-size", "512", "--out", str(out)]
+    mix = ["--workload", "mix", "--mix", "interactive=1,batch=1", "--tenants", "a=1,b=3"]
+    assert bench([*argv, *mix, "--num-requests", "12", "--rate", "100"]) == 0
+    run = json.loads((out / "results.json").read_text())["configs"]["default"]
+    requests = run["requests"]
+    assert {r["service_class"] for r in requests} == {"interactive", "batch"}
+    assert {r["tenant"] for r in requests} == {"a", "b"}
+    sent = sorted(SENT[1:], key=str)  # after the warm-up request, the first one's copy
+    assert sent == sorted(
+        ((r["service_class"], f"Bearer bench-{r['tenant']}") for r in requests), key=str
+    )
+    shares = run["by_share"]
+    assert list(shares) == ["batch", "interactive", "tenant a", "tenant b"]
+    assert shares["batch"]["num_requests"] + shares["interactive"]["num_requests"] == 12
+    assert shares["tenant a"]["num_requests"] + shares["tenant b"]["num_requests"] == 12
+    batch = [r for r in requests if r["service_class"] == "batch"]
+    assert shares["batch"]["total_output_tokens"] == sum(r["max_tokens"] for r in batch)
+    assert (
+        "| metric | default | default batch | default interactive |"
+        in (out / "table.md").read_text()
+    )
+    # --only-class: the same batch requests, at the same times, alone.
+    alone = tmp_path / "alone"
+    argv[-1] = str(alone)
+    assert (
+        bench([*argv, *mix, "--num-requests", "12", "--rate", "100", "--only-class", "batch"]) == 0
+    )
+    only = json.loads((alone / "results.json").read_text())["configs"]["default"]["requests"]
+    assert [(r["rid"], r["max_tokens"]) for r in only] == [
+        (r["rid"], r["max_tokens"]) for r in batch
+    ]
 
 
 def test_cancel_workload_disconnects(fake_server, tmp_path):

@@ -37,10 +37,13 @@ from gapless.bench.roofline import add_roofline_parser
 from gapless.bench.workloads import (
     CHAT_OUTPUT_LOGNORMAL,
     CHAT_PROMPT_LOGNORMAL,
+    CLASS_SHAPES,
     WORKLOADS,
     BenchRequest,
     WorkloadSpec,
     build_workload,
+    parse_shares,
+    tenant_key,
 )
 
 DEFAULT_VOCAB = 32000
@@ -126,6 +129,25 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     wl.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate (req/s)")
     wl.add_argument("--num-requests", type=int, default=32)
     wl.add_argument("--duration", type=float, default=None, help="stop arrivals after S seconds")
+    wl.add_argument(
+        "--mix",
+        type=parse_shares,
+        default=WorkloadSpec.mix,
+        help="mix: each arrival's service class, by weight (interactive=0.2,batch=0.8); the "
+        "request shapes by class are in docs/benchmarks.md",
+    )
+    wl.add_argument(
+        "--tenants",
+        type=parse_shares,
+        default=(),
+        help="mix: each arrival's tenant, by weight (light=1,heavy=10); a tenant's requests "
+        "send the key bench-NAME, which the servers --compare starts map to it",
+    )
+    wl.add_argument(
+        "--only-class",
+        choices=tuple(CLASS_SHAPES),
+        help="mix: send only this class's requests of the mix (the same ones, at the same times)",
+    )
 
     run = p.add_argument_group("run")
     run.add_argument("--slo", help="goodput SLOs in ms, e.g. ttft:500,itl:100 (itl checks TPOT)")
@@ -252,6 +274,9 @@ def _spec(args: argparse.Namespace, vocab: int) -> WorkloadSpec:
         rate=args.rate,
         num_requests=args.num_requests,
         duration=args.duration,
+        mix=args.mix,
+        tenants=args.tenants,
+        only_class=args.only_class,
     )
 
 
@@ -275,6 +300,11 @@ def _serving(
     if flags is None:
         yield args.url
         return
+    if args.workload == "mix" and args.tenants:
+        keys = {tenant_key(t): {"tenant": t} for t, _ in args.tenants}
+        key_file = out / "api-keys.json"
+        key_file.write_text(json.dumps({"keys": keys}))
+        flags = [*flags, "--api-keys", str(key_file)]
     with ServerProcess(args.model_dir, flags, model, out / f"server-{name}.log") as server:
         server.start(args.server_timeout)
         yield server.url
@@ -289,8 +319,12 @@ def _client_options(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def _warm_up(args: argparse.Namespace, url: str, model: str, prompt: list[int]) -> None:
-    warm = [BenchRequest(-1 - i, 0.0, prompt[:8], 4) for i in range(args.warmup)]
+def _warm_up(args: argparse.Namespace, url: str, model: str, first: BenchRequest) -> None:
+    """Short requests shaped as the first (its key, where it sends one)."""
+    warm = [
+        replace(first, rid=-1 - i, arrival_s=0.0, prompt=first.prompt[:8], max_tokens=4)
+        for i in range(args.warmup)
+    ]
     records, _ = asyncio.run(
         run_requests(url, model, warm, show_progress=False, **_client_options(args))
     )
@@ -310,8 +344,22 @@ def _run_entry(
         "server_flags": None if flags is None else " ".join(flags),
         "url": url,
         "metrics": {**compute_metrics(records, duration, slo), **speculation},
+        # The mix workload's requests again, by class and by tenant (each over the whole run).
+        "by_share": {
+            share: compute_metrics(part, duration, slo) for share, part in _shares(records).items()
+        },
         "requests": [r.to_dict() for r in records],
     }
+
+
+def _shares(records: list[RequestRecord]) -> dict[str, list[RequestRecord]]:
+    """The records by service class and by tenant, where requests named them."""
+    shares: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        for share in (r.service_class, None if r.tenant is None else f"tenant {r.tenant}"):
+            if share is not None:
+                shares.setdefault(share, []).append(r)
+    return dict(sorted(shares.items()))
 
 
 def bench_main(args: argparse.Namespace) -> int:
@@ -335,7 +383,7 @@ def bench_main(args: argparse.Namespace) -> int:
         )
         try:
             with _serving(args, name, flags, model, out) as url:
-                _warm_up(args, url, model, requests[0].prompt)
+                _warm_up(args, url, model, requests[0])
                 before = speculation_counts(url)
                 records, duration = asyncio.run(
                     run_requests(url, model, requests, **_client_options(args))
@@ -377,7 +425,13 @@ def bench_main(args: argparse.Namespace) -> int:
         "configs": runs,
     }
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    table = format_table({n: r["metrics"] for n, r in runs.items()})
+    table = format_table(
+        {
+            f"{n} {share}".strip(): metrics
+            for n, r in runs.items()
+            for share, metrics in {"": r["metrics"], **r["by_share"]}.items()
+        }
+    )
     (out / "table.md").write_text(table)
     plot_timeline(records_by_config, out / "timeline.png")
     plot_itl_cdf(records_by_config, out / "itl_cdf.png")
@@ -477,7 +531,7 @@ def capacity_main(args: argparse.Namespace) -> int:
                     length_scale=args.length_scale,
                     max_model_len=context,
                 )
-                _warm_up(args, url, model, build_workload(spec)[0].prompt)
+                _warm_up(args, url, model, build_workload(spec)[0])
                 trials, found = _measure_capacity(args, url, model, spec, slos)
         except (ServerError, capacity.TrialError) as exc:
             print(f"error: {name}: {exc}", file=sys.stderr)

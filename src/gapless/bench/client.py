@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from gapless.bench.workloads import BenchRequest
+from gapless.bench.workloads import BenchRequest, tenant_key
 
 PROGRESS_COMMENT = "prefill_progress"
 
@@ -82,6 +82,8 @@ class RequestRecord:
     error: str | None = None
     cancelled: bool = False
     cancel_phase: str | None = None  # "prefill" (no token yet) or "decode"
+    service_class: str | None = None  # the mix workload's, as sent
+    tenant: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -171,10 +173,14 @@ async def send_request(
         body["ignore_eos"] = True
     if temperature > 0:
         body["seed"] = req.rid
+    if req.service_class is not None:
+        body["service_class"] = req.service_class
+    headers = {} if req.tenant is None else {"Authorization": f"Bearer {tenant_key(req.tenant)}"}
     rec = RequestRecord(req.rid, req.tag, time.perf_counter() - t0, len(req.prompt), req.max_tokens)
+    rec.service_class, rec.tenant = req.service_class, req.tenant
     try:
         async with asyncio.timeout(req.cancel_after_s):  # None: never
-            await _stream(client, body, req, rec, t0)
+            await _stream(client, body, headers, req, rec, t0)
     except TimeoutError:
         _mark_cancelled(rec)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
@@ -191,9 +197,14 @@ def _mark_cancelled(rec: RequestRecord) -> None:
 
 
 async def _stream(
-    client: httpx.AsyncClient, body: dict, req: BenchRequest, rec: RequestRecord, t0: float
+    client: httpx.AsyncClient,
+    body: dict,
+    headers: dict[str, str],
+    req: BenchRequest,
+    rec: RequestRecord,
+    t0: float,
 ) -> None:
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
+    async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
         if resp.status_code != 200:
             detail = (await resp.aread()).decode(errors="replace")[:300]
             rec.error = f"HTTP {resp.status_code}: {detail}"

@@ -36,7 +36,15 @@ def run_engine(
     if any(r.cancel_after_tokens is not None or r.cancel_after_s is not None for r in requests):
         raise ValueError("--engine-only does not replay client cancellations")
     records = {
-        str(r.rid): RequestRecord(r.rid, r.tag, r.arrival_s, len(r.prompt), r.max_tokens)
+        str(r.rid): RequestRecord(
+            r.rid,
+            r.tag,
+            r.arrival_s,
+            len(r.prompt),
+            r.max_tokens,
+            service_class=r.service_class,
+            tenant=r.tenant,
+        )
         for r in requests
     }
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
@@ -46,7 +54,12 @@ def run_engine(
         while pending and pending[0].arrival_s <= now:
             r = pending.popleft()
             params = SamplingParams(
-                max_tokens=r.max_tokens, temperature=temperature, seed=r.rid, ignore_eos=True
+                max_tokens=r.max_tokens,
+                temperature=temperature,
+                seed=r.rid,
+                ignore_eos=True,
+                service_class=r.service_class,
+                tenant=r.tenant,
             )
             engine.add_request(r.prompt, params, str(r.rid))
         if not engine.has_work:

@@ -33,6 +33,8 @@ class BenchRequest:
     cancel_after_tokens: int | None = None
     # ... or this long after sending, whatever has arrived (aimed at the prefill phase).
     cancel_after_s: float | None = None
+    service_class: str | None = None  # sent as the request's service_class (the mix workload)
+    tenant: str | None = None  # sends its key, tenant_key(tenant)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,10 @@ class WorkloadSpec:
     prefix_tokens: int = 2000
     suffix_tokens: int = 64
     prefix_max_tokens: int = 64
+    # mix: each arrival's service class and tenant, drawn by these shares, (name, weight)
+    mix: tuple[tuple[str, float], ...] = (("interactive", 0.2), ("batch", 0.8))
+    tenants: tuple[tuple[str, float], ...] = ()
+    only_class: str | None = None  # keep this class's requests alone (the same ones)
 
 
 def _ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
@@ -148,6 +154,74 @@ def chat(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
         BenchRequest(i, t, _ids(tokens, int(p), spec.vocab_size), int(o))
         for i, (t, p, o) in enumerate(zip(arrivals, prompt_lens, output_lens, strict=False))
     ]
+
+
+# The mix workload's request shapes by service class: log-normal (median, p90) prompt and
+# output lengths. Interactive: a chat turn, read as it streams. Batch: a document to
+# summarize, long in and long out. Standard: between them.
+CLASS_SHAPES = {
+    "interactive": ((256, 768), (96, 192)),
+    "standard": ((512, 1536), (192, 384)),
+    "batch": ((1024, 2048), (256, 512)),
+}
+
+
+def parse_shares(text: str) -> tuple[tuple[str, float], ...]:
+    """`interactive=0.2,batch=0.8` as ((name, weight), ...); weights need not sum to 1."""
+    shares = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, weight = item.partition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            raise ValueError(f"{item!r} is not NAME=WEIGHT") from None
+        if not value > 0:
+            raise ValueError(f"{item!r}: the weight must be positive")
+        shares.append((name.strip(), value))
+    if not shares:
+        raise ValueError("no NAME=WEIGHT given")
+    return tuple(shares)
+
+
+def tenant_key(tenant: str) -> str:
+    """The API key the bench sends for a tenant: a key file that maps it (bench writes one
+    for the servers it starts) lets the server tell tenants apart."""
+    return f"bench-{tenant}"
+
+
+def _draw(rng: np.random.Generator, shares: tuple[tuple[str, float], ...], n: int) -> list:
+    names = [name for name, _ in shares]
+    weights = np.array([w for _, w in shares])
+    return [names[i] for i in rng.choice(len(names), size=n, p=weights / weights.sum())]
+
+
+def mix(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
+    """Poisson arrivals whose service class (and tenant) are drawn by the spec's shares, each
+    class's lengths from CLASS_SHAPES, clipped to the context."""
+    arrivals = _poisson_arrivals(rng, spec)
+    n = len(arrivals)
+    unknown = {name for name, _ in spec.mix} - CLASS_SHAPES.keys()
+    if unknown:
+        raise ValueError(
+            f"unknown service classes {sorted(unknown)}; choose from {list(CLASS_SHAPES)}"
+        )
+    classes = _draw(rng, spec.mix, n)
+    tenants = _draw(rng, spec.tenants, n) if spec.tenants else [None] * n
+    reqs = []
+    for i, (t, service_class, tenant) in enumerate(zip(arrivals, classes, tenants, strict=True)):
+        (prompt_median, prompt_p90), (out_median, out_p90) = CLASS_SHAPES[service_class]
+        prompt_len = int(rng.lognormal(*lognormal_fit(prompt_median, prompt_p90)))
+        output_len = max(2, int(rng.lognormal(*lognormal_fit(out_median, out_p90))))
+        if spec.max_model_len is not None:
+            output_len = min(output_len, spec.max_model_len // 2)
+            prompt_len = min(prompt_len, spec.max_model_len - output_len)
+        prompt = _ids(rng, max(1, prompt_len), spec.vocab_size)
+        reqs.append(
+            BenchRequest(i, t, prompt, output_len, service_class=service_class, tenant=tenant)
+        )
+    if spec.only_class is not None:
+        reqs = [r for r in reqs if r.service_class == spec.only_class]
+    return reqs
 
 
 # The input-grounded workload's document: a Python module of about 300 tokens, which each
@@ -248,6 +322,7 @@ _BUILDERS = {
     "chat": chat,
     "grounded": grounded,
     "story": story,
+    "mix": mix,
 }
 
 
