@@ -359,3 +359,40 @@ def test_class_targets_parse_and_target_itl_ms_fills_the_rest():
     ]:
         with pytest.raises(ValueError, match=re.escape(f"class_itl_ms: {says}")):
             EngineConfig.of(class_itl_ms=bad)
+
+
+def test_a_stricter_class_defers_looser_decodes_in_turns_to_meet_its_target():
+    """20 batch streams and 1 interactive stream decode, under interactive=150 ms, with 10 ms
+    a decode: all 21 would take 210 ms. Batch decodes wait a step, as few as leave 64 prompt
+    tokens in the target (8 decodes), the interactive one never; they take turns, so each
+    batch stream still gets a token every few steps. Without the interactive stream nothing
+    waits (batch has no target)."""
+    model = FakeCostModel(target=0, per_decode=0.01, per_token=0.001)
+    scheduler = Scheduler(
+        SchedulerConfig(min_prefill_chunk=64, max_num_seqs=64),
+        BlockPool(4096, 16),
+        model.prefill_budget,
+        itl_targets={"interactive": 0.15},
+    )
+    for i in range(20):
+        scheduler.add(classed(f"b{i}", 8, "batch"))
+    run_step(scheduler)
+    assert len(run_step(scheduler)) == 20  # batch alone: every stream, every step
+    scheduler.add(classed("chat", 8, "interactive"))
+    run_step(scheduler)  # its prompt
+    scheduler.add(classed("long", 5000, "batch"))
+    for req in scheduler.running:
+        req.last_token_time = 0.0
+    given: dict[str, int] = {}
+    for step in range(3):
+        sizes = run_step(scheduler)
+        assert sizes["chat"] == 1
+        assert sum(n == 1 for n in sizes.values()) == 8  # 1 interactive + 7 batch decodes
+        assert sizes["long"] == 70  # (0.15 - 8 x 0.01) / 0.001
+        for rid in sizes:
+            given[rid] = given.get(rid, 0) + 1
+        for req in scheduler.running:  # the engine stamps each token's time
+            if req.request_id in sizes:
+                req.last_token_time = float(step + 1)
+    batch = [n for rid, n in given.items() if rid.startswith("b")]
+    assert len(batch) == 20 and max(batch) == 2  # 21 turns over 20 streams: in turn

@@ -7,6 +7,12 @@ Each step is one hybrid batch:
    service class present, and within it the most recently admitted. A waiting request that
    finds the batch full (`max_num_seqs`) or the KV pool short of its first chunk preempts a
    running request of a less urgent class the same way, before any decode is scheduled.
+   Under per-class latency targets (`itl_targets`), the step's target is the strictest of
+   its decoding classes'. Where the decodes alone would leave it less than
+   `min_prefill_chunk` prompt tokens, decodes of classes with a looser target (or none)
+   wait a step, as few as needed and in turns (the ones given a token most recently wait
+   first): under overload a batch stream slows down so that an interactive one keeps its
+   latency. Without a stricter class decoding, nobody waits.
 2. What is left of the token budget goes to prompt chunks. The budget is `prefill_chunk`
    while anyone decodes, and `idle_prefill_chunk` when nobody does, so an idle server
    prefills at full speed. Under a latency target it is what the cost model predicts fits
@@ -55,6 +61,7 @@ A request for n choices prefills its prompt once; the other n - 1 then fork from
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -257,7 +264,6 @@ class Scheduler:
         drafts, and its proposals come back through verify()."""
         self._make_room_for_urgent()
         decodes = self._schedule_decodes()
-        chunks = list(decodes)
         self.steps += 1
         candidates = [r for r in self.running if r.state is RequestState.PREFILLING]
         candidates += self.waiting
@@ -265,13 +271,16 @@ class Scheduler:
         candidates.sort(
             key=lambda r: (urgency(r), self.fair_share.key(r), self.policy.key(r, self.steps))
         )
-        speculating = any(c.request.speculation is not None for c in decodes)
         target = self._step_target(decodes)
+        start = candidates[0].num_computed if candidates else 0
+        if target is not None and self.prefill_budget is not None:
+            decodes = self._defer_for_target(decodes, target, start, bool(candidates))
+        chunks = list(decodes)
+        speculating = any(c.request.speculation is not None for c in decodes)
         if not chunks:
             budget = self.config.idle_prefill_chunk
         elif self.prefill_budget is not None and target is not None and (candidates or speculating):
             contexts = [c.request.num_computed + 1 for c in chunks]
-            start = candidates[0].num_computed if candidates else 0
             budget = self.prefill_budget(contexts, start, target)
         else:
             budget = self.config.prefill_chunk
@@ -317,6 +326,40 @@ class Scheduler:
         when none of them has one: the static chunk budget)."""
         classes = {c.request.params.service_class for c in decodes}
         return min((self.itl_targets[c] for c in classes & self.itl_targets.keys()), default=None)
+
+    def _defer_for_target(
+        self, decodes: list[ScheduledChunk], target: float, start: int, prompts: bool
+    ) -> list[ScheduledChunk]:
+        """The step's decodes, less those of classes with a looser target than the step's (or
+        none) that must wait a step for the step to meet it: as few as leave the decodes within
+        the target, with min_prefill_chunk prompt tokens beside them where prompts wait (the
+        cost model's prediction). The least urgent wait first, and within a class those given
+        a token most recently, so that they take turns."""
+        deferrable = [
+            c
+            for c in decodes
+            if self.itl_targets.get(c.request.params.service_class, math.inf) > target
+        ]
+        if not deferrable:
+            return decodes
+        deferrable.sort(key=lambda c: (-urgency(c.request), -(c.request.last_token_time or 0)))
+        need = self.config.min_prefill_chunk if prompts else 1
+        assert self.prefill_budget is not None
+
+        def fits(deferred: int) -> bool:
+            waiting = {id(c) for c in deferrable[:deferred]}
+            contexts = [c.request.num_computed + 1 for c in decodes if id(c) not in waiting]
+            return self.prefill_budget(contexts, start, target) >= need  # type: ignore[misc]
+
+        lo, hi = 0, len(deferrable)  # the fewest deferred that fit (all of them, if none do)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        waiting = {id(c) for c in deferrable[:lo]}
+        return [c for c in decodes if id(c) not in waiting]
 
     def _encodes(
         self, request: Request, n: int, budget: int, first: bool
