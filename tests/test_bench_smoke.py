@@ -192,6 +192,14 @@ def test_the_mix_sends_each_requests_class_and_tenants_key_and_reports_each(fake
         "| metric | default | default batch | default interactive |"
         in (out / "table.md").read_text()
     )
+    # --no-classes: the same requests, naming no class.
+    SENT.clear()
+    unclassed = tmp_path / "unclassed"
+    argv[-1] = str(unclassed)
+    assert bench([*argv, *mix, "--num-requests", "12", "--rate", "100", "--no-classes"]) == 0
+    assert {cls for cls, _ in SENT} == {None}
+    again = json.loads((unclassed / "results.json").read_text())["configs"]["default"]
+    assert list(again["by_share"]) == list(shares)
     # --only-class: the same batch requests, at the same times, alone.
     alone = tmp_path / "alone"
     argv[-1] = str(alone)

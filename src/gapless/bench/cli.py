@@ -144,6 +144,19 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "send the key bench-NAME, which the servers --compare starts map to it",
     )
     wl.add_argument(
+        "--length-scale",
+        type=float,
+        default=1.0,
+        help="mix: every class's prompt and output lengths scaled by this (a smaller machine)",
+    )
+    wl.add_argument(
+        "--no-classes",
+        dest="send_classes",
+        action="store_false",
+        help="mix: send no service class (every request equal, as servers without classes "
+        "treat them); results are still grouped by the class that shaped each request",
+    )
+    wl.add_argument(
         "--only-class",
         choices=tuple(CLASS_SHAPES),
         help="mix: send only this class's requests of the mix (the same ones, at the same times)",
@@ -277,6 +290,8 @@ def _spec(args: argparse.Namespace, vocab: int) -> WorkloadSpec:
         mix=args.mix,
         tenants=args.tenants,
         only_class=args.only_class,
+        send_classes=args.send_classes,
+        length_scale=args.length_scale,
     )
 
 

@@ -173,7 +173,7 @@ async def send_request(
         body["ignore_eos"] = True
     if temperature > 0:
         body["seed"] = req.rid
-    if req.service_class is not None:
+    if req.service_class is not None and req.send_class:
         body["service_class"] = req.service_class
     headers = {} if req.tenant is None else {"Authorization": f"Bearer {tenant_key(req.tenant)}"}
     rec = RequestRecord(req.rid, req.tag, time.perf_counter() - t0, len(req.prompt), req.max_tokens)

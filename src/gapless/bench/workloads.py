@@ -33,7 +33,8 @@ class BenchRequest:
     cancel_after_tokens: int | None = None
     # ... or this long after sending, whatever has arrived (aimed at the prefill phase).
     cancel_after_s: float | None = None
-    service_class: str | None = None  # sent as the request's service_class (the mix workload)
+    service_class: str | None = None  # the mix workload's: its shape, and what it sends
+    send_class: bool = True  # False: the request names no class (every request equal)
     tenant: str | None = None  # sends its key, tenant_key(tenant)
 
 
@@ -53,7 +54,7 @@ class WorkloadSpec:
     rate: float = 1.0
     num_requests: int = 32
     duration: float | None = None  # caps arrivals at this offset
-    # chat: both length distributions are scaled by this, then clipped to the context
+    # chat, mix: the length distributions are scaled by this, then clipped to the context
     length_scale: float = 1.0
     max_model_len: int | None = None
     prefix_tokens: int = 2000
@@ -63,6 +64,7 @@ class WorkloadSpec:
     mix: tuple[tuple[str, float], ...] = (("interactive", 0.2), ("batch", 0.8))
     tenants: tuple[tuple[str, float], ...] = ()
     only_class: str | None = None  # keep this class's requests alone (the same ones)
+    send_classes: bool = True  # False: shaped by class, but sent naming none
 
 
 def _ids(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
@@ -197,7 +199,7 @@ def _draw(rng: np.random.Generator, shares: tuple[tuple[str, float], ...], n: in
 
 def mix(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
     """Poisson arrivals whose service class (and tenant) are drawn by the spec's shares, each
-    class's lengths from CLASS_SHAPES, clipped to the context."""
+    class's lengths from CLASS_SHAPES (times length_scale), clipped to the context."""
     arrivals = _poisson_arrivals(rng, spec)
     n = len(arrivals)
     unknown = {name for name, _ in spec.mix} - CLASS_SHAPES.keys()
@@ -210,14 +212,23 @@ def mix(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
     reqs = []
     for i, (t, service_class, tenant) in enumerate(zip(arrivals, classes, tenants, strict=True)):
         (prompt_median, prompt_p90), (out_median, out_p90) = CLASS_SHAPES[service_class]
-        prompt_len = int(rng.lognormal(*lognormal_fit(prompt_median, prompt_p90)))
-        output_len = max(2, int(rng.lognormal(*lognormal_fit(out_median, out_p90))))
+        scale = spec.length_scale
+        prompt_len = int(rng.lognormal(*lognormal_fit(prompt_median * scale, prompt_p90 * scale)))
+        output_len = max(2, int(rng.lognormal(*lognormal_fit(out_median * scale, out_p90 * scale))))
         if spec.max_model_len is not None:
             output_len = min(output_len, spec.max_model_len // 2)
             prompt_len = min(prompt_len, spec.max_model_len - output_len)
         prompt = _ids(rng, max(1, prompt_len), spec.vocab_size)
         reqs.append(
-            BenchRequest(i, t, prompt, output_len, service_class=service_class, tenant=tenant)
+            BenchRequest(
+                i,
+                t,
+                prompt,
+                output_len,
+                service_class=service_class,
+                send_class=spec.send_classes,
+                tenant=tenant,
+            )
         )
     if spec.only_class is not None:
         reqs = [r for r in reqs if r.service_class == spec.only_class]
