@@ -15,7 +15,7 @@ from test_quantize import rel_err
 import gapless.kernels as kernels
 from gapless import LLM, SamplingParams
 from gapless.engine.runner import ModelRunner
-from gapless.kernels import kv_format
+from gapless.kernels import kv_format, step_ops
 from gapless.kernels.extensions import PAGED_ATTENTION
 from gapless.kernels.linear import Int4Linear, NarrowLinear, PackedLinear, PlainLinear
 from gapless.kernels.machine import Machine
@@ -495,3 +495,31 @@ def test_bf16_chunks_on_our_kernel_match_the_public_ops(checkpoint, arch, monkey
     monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
     want = run_chunks(ModelRunner(load_decoder(path, "bfloat16"), 32, 16), Seq(ids, 0), [120])
     assert rel_err(got.float(), want.float()) < 0.03
+
+
+@pytest.mark.parametrize("path", ["ours", "fallback"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+def test_write_kv_stores_new_keys_as_the_cache_holds_them(path, dtype, cache_dtype, monkeypatch):
+    """Cast into a float cache, quantized into an int8 one with quantize_q8's very bytes
+    (ties rounded to even, as torch rounds), on our step op and on the torch path; returned
+    in the float cache's dtype, or as they came for an int8 cache."""
+    if path == "ours":
+        require_our_kernels(kernels.probe.step_ops_work(), "our step ops")
+    else:
+        monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(3, 4, 64, generator=gen) * torch.logspace(-3, 2, 3)[:, None, None]
+    kv[0, 0, :32] = torch.arange(32) - 15.5  # halves: ties to round (max 15.5 / 127 is not)
+    kv[0, 0, 0] = 127.0  # scale 1: codes are the values, .5 ties round to even
+    kv[1, 1, 32:] = 0.0  # a group of zeros: scale 0, codes 0
+    kv = kv.to(dtype)
+    k, v = kv[:, :2], kv[:, 2:]  # views with a row stride, as the layers' k and v
+    k_cache, v_cache = (cache_of(torch.zeros(3, 4, 2, 64), cache_dtype) for _ in range(2))
+    slots = torch.tensor([9, 0, 4])
+    got_k, got_v = step_ops.write_kv(k, v, k_cache, v_cache, slots)
+    for x, cache, got in ((k, k_cache, got_k), (v, v_cache, got_v)):
+        want = cache_of(torch.zeros(3, 4, 2, 64), cache_dtype)
+        want.flatten(0, 1)[slots] = cache_of(x.float(), cache_dtype)
+        assert torch.equal(cache, want)
+        assert torch.equal(got, x if cache_dtype == torch.uint8 else x.to(cache_dtype))
