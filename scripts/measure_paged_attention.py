@@ -10,11 +10,13 @@ TOKENSxHISTORY: one chunk after that many cached tokens) against the CPU flash o
 With --kernel instead of a model: one decode attention call alone, per build level and KV
 cache type (SmolLM2's heads: 9 q, 3 kv, D 64; Gemma 3 270M's: 4 q, 1 kv, D 256), as GB/s of
 KV cache read and its share of a streaming read (torch's sum over 1 GiB of float32, the same
-threads). Each call reads another copy of the caches, 256 MB of them in all, so no call
+threads: where other processes share the cores, 1 thread is the steadier figure, since a
+parallel call waits for its slowest thread). Each call reads another copy of the caches, 256 MB of them in all, so no call
 finds its keys in the L3 cache, as a step's 30 layers find theirs.
 
     flock /work/bench.lock .venv/bin/python scripts/measure_paged_attention.py --kernel \
-        [--levels avx2,avx512] [--shapes 1x8192,4x8192,1x32768,4x32768] [--query float32]
+        [--levels avx2,avx512] [--shapes 1x8192,4x8192,1x32768,4x32768] [--query float32] \
+        [--threads 2]
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def kernel_table(args: argparse.Namespace) -> None:
     best = max(streaming_read_gbps(stream) for _ in range(ROUNDS))
     query = getattr(torch, args.query)
     print(
-        f"decode attention alone, {args.query} queries, 2 threads; streaming read {best:.1f} GB/s"
+        f"decode attention alone, {args.query} queries, {args.threads} threads; streaming read {best:.1f} GB/s"
     )
     print(
         f"{'level':>12} {'shape':>12} {'batch x keys':>13}  "
@@ -130,12 +132,13 @@ def main() -> None:
     parser.add_argument("--kernel", action="store_true", help="decode attention alone, GB/s")
     parser.add_argument("--levels", default="avx2,avx512")
     parser.add_argument("--query", default="float32")
+    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--shapes", default="1x512,4x512,16x1536,32x1024", help="BATCHxCONTEXT")
     parser.add_argument("--chunks", default="", help="TOKENSxHISTORY, e.g. 512x0,512x7680")
     args = parser.parse_args()
     tune_allocator()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     if args.kernel:
         if args.shapes == parser.get_default("shapes"):
             args.shapes = "1x8192,4x8192,1x32768,4x32768"

@@ -62,10 +62,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """n new queries per sequence, q [B * n, H, D], whose keys are already in the caches
     [blocks, block_size, Hkv, D] (int8: uint8 [blocks, block_size, Hkv, D + D / 16], see
-    kv_format.py), of any dtype `supports` takes with q's. Sequence b has the first num_keys[b] keys of its row of
-    block_tables [B, width]; its queries are the last n of them, and each attends causally
-    (from `window` keys before its own, if set), or, prompt chunks, up to its last key in
-    last_keys [B * n] (counted as num_keys counts) where given. Returns [B * n, H * D] in q's dtype."""
+    kv_format.py), of a dtype `supports` pairs with q's. Sequence b has the first
+    num_keys[b] keys of its row of block_tables [B, width]; its queries are the last n of
+    them, and each attends causally (from `window` keys before its own, if set), or, prompt
+    chunks, up to its last key in last_keys [B * n] (counted as num_keys counts) where
+    given. Returns [B * n, H * D] in q's dtype."""
     scale = q.shape[-1] ** -0.5
     n = q.shape[0] // block_tables.shape[0]
     out = extension().paged_attention(  # type: ignore[union-attr]

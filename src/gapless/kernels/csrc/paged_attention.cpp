@@ -238,42 +238,40 @@ inline F load_dims(const Elem<C>* row, int dim) {
 }
 
 // One query head against one key: W partial sums of their dot product, in float32 FMAs; a
-// bf16 query against a bf16 cache on the bf16 dot-product instruction, two dims per lane.
+// bf16 query against a bf16 cache on the bf16 dot-product instruction, two dims per lane. A
+// Key is one head's row of a key, converted once for all the query heads that share it.
 template <typename Q, typename C, int D, typename = void>
 struct QueryHead {
+  struct Key {
+    F dims[D / W];
+    void load(const Elem<C>* k) {
+      for (int c = 0; c < D / W; ++c) dims[c] = load_dims<C, D>(k, W * c);
+    }
+  };
   F dims[D / W];
   void load(const Q* q) {
     for (int c = 0; c < D / W; ++c) dims[c] = Vec::from(q + W * c);
   }
-  F partial_dot(const Elem<C>* k) const {
-    if constexpr (std::is_same_v<C, Int8>) {
-      // Each 32 codes' products summed before their one scale multiplies them.
-      constexpr int kPerScale = kQ8Group / W;
-      F s = Vec::zero();
-      for (int g = 0; g < D / kQ8Group; ++g) {
-        F part = Vec::mul(dims[g * kPerScale], Vec::from_codes(k + kQ8Group * g));
-        for (int c = 1; c < kPerScale; ++c)
-          part = Vec::fmadd(dims[g * kPerScale + c], Vec::from_codes(k + kQ8Group * g + W * c), part);
-        s = Vec::fmadd(part, Vec::set1(_cvtsh_ss(q8_scale_bits(k, D, kQ8Group * g))), s);
-      }
-      return s;
-    } else {
-      F s = Vec::mul(dims[0], Vec::from(k));
-      for (int c = 1; c < D / W; ++c) s = Vec::fmadd(dims[c], Vec::from(k + W * c), s);
-      return s;
-    }
+  F partial_dot(const Key& k) const {
+    F s = Vec::mul(dims[0], k.dims[0]);
+    for (int c = 1; c < D / W; ++c) s = Vec::fmadd(dims[c], k.dims[c], s);
+    return s;
   }
 };
 #if defined(__AVX512BF16__)
 template <int D>
 struct QueryHead<c10::BFloat16, c10::BFloat16, D, std::enable_if_t<D % 32 == 0>> {
+  struct Key {
+    const c10::BFloat16* row;  // read as the instruction's operand: nothing to convert
+    void load(const c10::BFloat16* k) { row = k; }
+  };
   __m512bh pairs[D / 32];
   void load(const c10::BFloat16* q) {
     for (int c = 0; c < D / 32; ++c) pairs[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
   }
-  __m512 partial_dot(const c10::BFloat16* k) const {
+  __m512 partial_dot(const Key& k) const {
     __m512 s = _mm512_setzero_ps();
-    for (int c = 0; c < D / 32; ++c) s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(k + 32 * c), pairs[c]);
+    for (int c = 0; c < D / 32; ++c) s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(k.row + 32 * c), pairs[c]);
     return s;
   }
 };
@@ -382,9 +380,12 @@ void attend(const Q* query, float scale, const Elem<C>* __restrict keys,
     slots_from(i0);
     for (int j = 0; j < W; ++j) {
       const Elem<C>* key = keys + slots[j] * stride;
-      for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        typename QueryHead<Q, C, D>::Key k;
+        k.load(key + h * row);
         for (int64_t g = 0; g < group; ++g)
-          partial[(h * group + g) * W + Vec::kSumOrder[j]] = q[h * group + g].partial_dot(key + h * row);
+          partial[(h * group + g) * W + Vec::kSumOrder[j]] = q[h * group + g].partial_dot(k);
+      }
     }
     for (int64_t i = 0; i < heads; ++i)
       Vec::store(scores + i * padded + i0, Vec::mul(Vec::sum_each(&partial[i * W]), Vec::set1(scale)));
