@@ -11,8 +11,9 @@ With --kernel instead of a model: one decode attention call alone, per build lev
 cache type (SmolLM2's heads: 9 q, 3 kv, D 64; Gemma 3 270M's: 4 q, 1 kv, D 256), as GB/s of
 KV cache read and its share of a streaming read (torch's sum over 1 GiB of float32, the same
 threads: where other processes share the cores, 1 thread is the steadier figure, since a
-parallel call waits for its slowest thread). Each call reads another copy of the caches, 256 MB of them in all, so no call
-finds its keys in the L3 cache, as a step's 30 layers find theirs.
+parallel call waits for its slowest thread). Each call reads another copy of the caches,
+256 MB of them in all, so no call finds its keys in the L3 cache, as a step's 30 layers
+find theirs.
 
     flock /work/bench.lock .venv/bin/python scripts/measure_paged_attention.py --kernel \
         [--levels avx2,avx512] [--shapes 1x8192,4x8192,1x32768,4x32768] [--query float32] \
