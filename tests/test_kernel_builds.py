@@ -37,7 +37,7 @@ def test_every_build_of_every_extension_was_compiled_at_install(ext, level):
 
 def test_the_probe_chooses_our_kernels_on_this_machine():
     """The builds for this CPU's level, with no compiler run: GGUF blocks, step ops and paged
-    decodes in float32, and where the CPU multiplies bf16 fast, the bf16 KV cache and prompt
+    decodes in float32 (over f16 and int8 caches too), and where the CPU multiplies bf16 fast, the bf16 KV cache and prompt
     chunks on our kernel too."""
     level = build.cpu_level()
     require_our_kernels(blocks.extension() is not None, "our GGUF block kernels")
@@ -46,6 +46,7 @@ def test_the_probe_chooses_our_kernels_on_this_machine():
     assert paged.extension().__name__ == f"{PACKAGE}.{PAGED_ATTENTION.module(level)}"
     chosen = kernels.select(CPU, torch.float32, quantized=True)
     assert chosen.gguf_blocks and chosen.paged_decode and probe.step_ops_work()
+    assert all(probe.paged_decode_works(torch.float32, c) for c in (torch.float16, torch.uint8))
     if machine().fast_cpu_bf16 and probe.packed_linear_works(torch.bfloat16):
         assert chosen.reduced_dtype == torch.bfloat16 and chosen.kv_dtype == torch.bfloat16
         assert kernels.select(CPU, torch.bfloat16).paged_decode

@@ -15,6 +15,7 @@ from test_quantize import rel_err
 import gapless.kernels as kernels
 from gapless import LLM, SamplingParams
 from gapless.engine.runner import ModelRunner
+from gapless.kernels import kv_format, step_ops
 from gapless.kernels.extensions import PAGED_ATTENTION
 from gapless.kernels.linear import Int4Linear, NarrowLinear, PackedLinear, PlainLinear
 from gapless.kernels.machine import Machine
@@ -196,33 +197,69 @@ def test_history_in_scattered_blocks_is_attended_in_place(checkpoint, max_runs, 
     assert (whole[84:] - pieces).abs().max().item() < 1e-4
 
 
-def check_paged_kernel(dtype, heads, kv_heads, dim, window, n, block_size, extra=(0, 15, 16, 69)):
+def cache_of(values: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """values [..., D] float32 as a KV cache of cache_dtype (uint8: int8 rows)."""
+    return kv_format.quantize_q8(values) if cache_dtype == torch.uint8 else values.to(cache_dtype)
+
+
+def values_of(cache: torch.Tensor) -> torch.Tensor:
+    """What a KV cache holds, as float32."""
+    return kv_format.dequantize_q8(cache) if cache.dtype == torch.uint8 else cache.float()
+
+
+def check_paged_kernel(
+    query_dtype,
+    cache_dtype,
+    heads,
+    kv_heads,
+    dim,
+    window,
+    n,
+    block_size,
+    extra=(0, 15, 16, 69),
+    later_last_keys=False,
+):
     """Sequences of different lengths, blocks scattered through the cache, GQA and a sliding
-    window: each of a sequence's n new queries attends exactly its own keys, causally."""
+    window: each of a sequence's n new queries attends exactly its own keys, causally, or up
+    to a later last key of its own (later_last_keys), in the cache as it holds them."""
     gen = torch.Generator().manual_seed(heads * n)
     lengths = [n + e for e in extra]
     batch, width = len(lengths), -(-max(lengths) // block_size)
     k_cache, v_cache = (
-        torch.randn(batch * width + 3, block_size, kv_heads, dim, generator=gen).to(dtype)
+        cache_of(
+            torch.randn(batch * width + 3, block_size, kv_heads, dim, generator=gen), cache_dtype
+        )
         for _ in range(2)
     )
-    q = torch.randn(batch * n, heads, dim, generator=gen).to(dtype)
+    q = torch.randn(batch * n, heads, dim, generator=gen).to(query_dtype)
     order = torch.randperm(batch * width + 3, generator=gen)
     tables = order[: batch * width].view(batch, width)
-    got = kernels.paged.paged_attention(q, k_cache, v_cache, tables, torch.tensor(lengths), window)
+    last_keys = None
+    if later_last_keys:  # each query's own key, or a random later one of its sequence
+        own = torch.cat([torch.arange(length - n, length) for length in lengths])
+        ends = torch.tensor(lengths).repeat_interleave(n)
+        later = own + (torch.rand(len(own), generator=gen) * (ends - own)).long()
+        last_keys = torch.where(torch.rand(len(own), generator=gen) < 0.5, own, later)
+    got = kernels.paged.paged_attention(
+        q, k_cache, v_cache, tables, torch.tensor(lengths), window, last_keys
+    )
+    assert got.dtype == query_dtype
     for b, length in enumerate(lengths):
         slots = (tables[b, :, None] * block_size + torch.arange(block_size)).flatten()[:length]
         k, v = (
-            c.flatten(0, 1)[slots].float().repeat_interleave(heads // kv_heads, 1)
+            values_of(c.flatten(0, 1)[slots]).repeat_interleave(heads // kv_heads, 1)
             for c in (k_cache, v_cache)
         )
         q_pos = torch.arange(length - n, length)[:, None]
-        delta = q_pos - torch.arange(length)[None]
-        allowed = (delta >= 0) & (delta < (window or length))
+        last = q_pos if last_keys is None else last_keys[b * n : (b + 1) * n, None]
+        keys = torch.arange(length)[None]
+        allowed = (keys <= last) & (q_pos - keys < (window or length))
         scores = torch.einsum("nhd,lhd->nhl", q[b * n : (b + 1) * n].float(), k) / dim**0.5
         scores = scores.masked_fill(~allowed[:, None], float("-inf"))
         want = torch.einsum("nhl,lhd->nhd", scores.softmax(-1), v).flatten(1)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        # bf16 anywhere: an output, or weights rounded for the bf16 dot-product instruction
+        exact = torch.bfloat16 not in (query_dtype, cache_dtype) and n == 1
+        tol = 1e-5 if exact else 2e-2
         assert (got[b * n : (b + 1) * n].float() - want).abs().max().item() < tol
 
 
@@ -362,40 +399,87 @@ def paged_build(request, monkeypatch):
     return level
 
 
-def require_paged_prefill() -> None:
-    """Prompt chunks run on our kernel in bf16 on CPUs with AVX512-BF16 (csrc/paged_attention.cpp)."""
-    if "avx512-bf16" not in kernels.machine().cpu_isa:
+def require_paged_prefill(cache_dtype=torch.bfloat16) -> None:
+    """Prompt chunks run on our kernel with bf16 queries on CPUs with AVX512-BF16
+    (csrc/paged_attention.cpp), over a cache of any type."""
+    if not kernels.paged.supports(torch.bfloat16, cache_dtype, prefill=True):
         pytest.skip("prompt chunks run on our kernel only on CPUs with AVX512-BF16")
-    works = kernels.probe.paged_prefill_works(torch.bfloat16)
+    works = kernels.probe.paged_prefill_works(torch.bfloat16, cache_dtype)
     require_our_kernels(works, "our paged attention kernel's prompt chunks")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (9, 3, 64), (14, 2, 128)])
+QUERY_DTYPES = [torch.float32, torch.bfloat16]
+CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]  # uint8: int8 rows
+
+
+@pytest.mark.parametrize("query_dtype", QUERY_DTYPES, ids=str)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(4, 4, 16), (9, 3, 64), (14, 2, 128), (4, 1, 256)]
+)
 @pytest.mark.parametrize("window", [None, 20])
 def test_paged_decode_kernel_matches_attention_over_gathered_keys(
-    paged_build, dtype, heads, kv_heads, dim, window
+    paged_build, query_dtype, cache_dtype, heads, kv_heads, dim, window
 ):
-    check_paged_kernel(dtype, heads, kv_heads, dim, window, 1, 16)
+    if cache_dtype == torch.uint8 and dim % 32:
+        pytest.skip("an int8 cache needs a head size that is a multiple of 32")
+    check_paged_kernel(query_dtype, cache_dtype, heads, kv_heads, dim, window, 1, 16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("query_dtype", "cache_dtype"),
+    [(torch.float32, c) for c in CACHE_DTYPES] + [(torch.bfloat16, torch.bfloat16)],
+    ids=str,
+)
 @pytest.mark.parametrize("lengths", [(700,), (2051,), (2051, 3, 40)])
 @pytest.mark.parametrize("window", [None, 600])
-def test_paged_decode_kernel_splits_long_sequences_exactly(paged_build, dtype, lengths, window):
+def test_paged_decode_kernel_splits_long_sequences_exactly(
+    paged_build, query_dtype, cache_dtype, lengths, window
+):
     """A sequence longer than a thread's share of the batch's keys is cut into parts, whose
     softmaxes the kernel merges: alone, and beside short ones."""
-    check_paged_kernel(dtype, 9, 3, 64, window, 1, 16, extra=lengths)
+    check_paged_kernel(query_dtype, cache_dtype, 9, 3, 64, window, 1, 16, extra=lengths)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 32), (9, 3, 64), (14, 2, 128)])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(4, 4, 32), (9, 3, 64), (14, 2, 128), (4, 1, 256)]
+)
 @pytest.mark.parametrize("window", [None, 20, 40])
 @pytest.mark.parametrize(("n", "block_size"), [(5, 16), (37, 8), (70, 32)])
 def test_paged_prefill_kernel_matches_attention_over_gathered_keys(
-    heads, kv_heads, dim, window, n, block_size
+    cache_dtype, heads, kv_heads, dim, window, n, block_size
 ):
-    require_paged_prefill()
-    check_paged_kernel(torch.bfloat16, heads, kv_heads, dim, window, n, block_size)
+    require_paged_prefill(cache_dtype)
+    check_paged_kernel(torch.bfloat16, cache_dtype, heads, kv_heads, dim, window, n, block_size)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_prefill_kernel_attends_each_query_to_its_last_key(cache_dtype, window):
+    """A prompt chunk's queries given later last keys (a bidirectional range) see up to them."""
+    require_paged_prefill(cache_dtype)
+    check_paged_kernel(
+        torch.bfloat16, cache_dtype, 9, 3, 64, window, 37, 8, extra=(0, 9, 40), later_last_keys=True
+    )
+
+
+@pytest.mark.parametrize("query_dtype", [*QUERY_DTYPES, torch.float16], ids=str)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 3])
+def test_paged_kernel_refuses_exactly_the_pairs_it_does_not_support(
+    paged_build, query_dtype, cache_dtype, n
+):
+    """paged.supports, which the probe and kernel choice read, says what each build runs."""
+    prefill = n > 1
+    q = torch.randn(2 * n, 2, 64).to(query_dtype)
+    k_cache = cache_of(torch.randn(3, 4, 1, 64), cache_dtype)
+    args = (q, k_cache, k_cache, torch.tensor([[2, 0], [1, 0]]), torch.tensor([6, 3]), None)
+    if kernels.paged.supports(query_dtype, cache_dtype, prefill, paged_build):
+        assert kernels.paged.paged_attention(*args).dtype == query_dtype
+    else:
+        with pytest.raises(RuntimeError, match="paged_attention"):
+            kernels.paged.paged_attention(*args)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])
@@ -411,3 +495,31 @@ def test_bf16_chunks_on_our_kernel_match_the_public_ops(checkpoint, arch, monkey
     monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
     want = run_chunks(ModelRunner(load_decoder(path, "bfloat16"), 32, 16), Seq(ids, 0), [120])
     assert rel_err(got.float(), want.float()) < 0.03
+
+
+@pytest.mark.parametrize("path", ["ours", "fallback"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
+def test_write_kv_stores_new_keys_as_the_cache_holds_them(path, dtype, cache_dtype, monkeypatch):
+    """Cast into a float cache, quantized into an int8 one with quantize_q8's very bytes
+    (ties rounded to even, as torch rounds), on our step op and on the torch path; returned
+    in the float cache's dtype, or as they came for an int8 cache."""
+    if path == "ours":
+        require_our_kernels(kernels.probe.step_ops_work(), "our step ops")
+    else:
+        monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(3, 4, 64, generator=gen) * torch.logspace(-3, 2, 3)[:, None, None]
+    kv[0, 0, :32] = torch.arange(32) - 15.5  # halves: ties to round (max 15.5 / 127 is not)
+    kv[0, 0, 0] = 127.0  # scale 1: codes are the values, .5 ties round to even
+    kv[1, 1, 32:] = 0.0  # a group of zeros: scale 0, codes 0
+    kv = kv.to(dtype)
+    k, v = kv[:, :2], kv[:, 2:]  # views with a row stride, as the layers' k and v
+    k_cache, v_cache = (cache_of(torch.zeros(3, 4, 2, 64), cache_dtype) for _ in range(2))
+    slots = torch.tensor([9, 0, 4])
+    got_k, got_v = step_ops.write_kv(k, v, k_cache, v_cache, slots)
+    for x, cache, got in ((k, k_cache, got_k), (v, v_cache, got_v)):
+        want = cache_of(torch.zeros(3, 4, 2, 64), cache_dtype)
+        want.flatten(0, 1)[slots] = cache_of(x.float(), cache_dtype)
+        assert torch.equal(cache, want)
+        assert torch.equal(got, x if cache_dtype == torch.uint8 else x.to(cache_dtype))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from gapless.kernels import blocks
+from gapless.kernels.kv_format import quantize_q8
 from gapless.kernels.probe import step_ops_work
 
 # The most rows a decode batch (decodes and proposed tokens) holds: our step ops and the
@@ -27,6 +28,7 @@ from gapless.kernels.probe import step_ops_work
 # kernels beat dequantizing up to 16 rows here, int8's lost at 32 (docs/benchmarks.md).
 DECODE_ROWS = 16
 DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = (*DTYPES, torch.float16, torch.uint8)  # uint8: int8 rows (kv_format.py)
 
 
 def switched_on() -> bool:
@@ -73,10 +75,16 @@ def write_kv(
     slots: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Writes the new keys and values k, v [T, Hkv, D] into the caches [blocks, block_size,
-    Hkv, D] at slots [T] (block * block_size + offset); returns k, v in the caches' dtype."""
+    Hkv, D] at slots [T] (block * block_size + offset): cast to a float cache's dtype, or
+    quantized into an int8 cache (uint8 rows, kv_format.py). Returns k, v in a float cache's
+    dtype, or as they came for an int8 cache (the chunk's own keys, in the queries' dtype)."""
     ext = _ours(k)
-    if ext is not None and k_cache.dtype in DTYPES and slots.dtype == torch.int64:
+    if ext is not None and k_cache.dtype in CACHE_DTYPES and slots.dtype == torch.int64:
         return ext.write_kv(k, v, k_cache, v_cache, slots)
+    if k_cache.dtype == torch.uint8:
+        k_cache.flatten(0, 1).index_copy_(0, slots, quantize_q8(k))
+        v_cache.flatten(0, 1).index_copy_(0, slots, quantize_q8(v))
+        return k, v
     k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k_cache.flatten(0, 1).index_copy_(0, slots, k)
     v_cache.flatten(0, 1).index_copy_(0, slots, v)

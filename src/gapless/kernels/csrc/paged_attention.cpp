@@ -6,7 +6,11 @@
 // the cache once. Prompt chunks (n queries per sequence, causal against everything before, or
 // up to a later last key per query): items are (sequence, KV head, tile of queries), each
 // walking its keys 32 at a time with an online softmax, as flash attention does. Scores and
-// sums in float32 whatever the cache dtype.
+// sums in float32 whatever the dtypes.
+//
+// The cache has its own storage type, whatever the query's (float32 or bf16): float32, bf16,
+// f16, or int8 rows (kernels/kv_format.py: a head's D codes, then its D / 32 f16 scales).
+// Each is read in place and converted a vector at a time as it is used: no dequantized copy.
 #include "torch_api.h"
 
 #include <algorithm>
@@ -17,13 +21,31 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
 constexpr float kMasked = -1e30f;  // finite: -ffast-math assumes no infinities
+
+// The int8 cache's type, as the templates name it; its elements are the rows' bytes.
+struct Int8 {};
+constexpr int kQ8Group = 32;  // values per f16 scale (kv_format.Q8_GROUP)
+
+// How a cache type lays out one token's row of one head, D values.
+template <typename C>
+struct Stored {
+  using Elem = C;
+  static constexpr int64_t row(int64_t d) { return d; }
+};
+template <>
+struct Stored<Int8> {
+  using Elem = uint8_t;
+  static constexpr int64_t row(int64_t d) { return d + 2 * (d / kQ8Group); }
+};
+template <typename C>
+using Elem = typename Stored<C>::Elem;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) {
@@ -34,24 +56,45 @@ inline float to_float(c10::BFloat16 x) {
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+// The f16 scale of the int8 values [dim, dim + 32) of a row.
+inline uint16_t q8_scale_bits(const uint8_t* row, int64_t d, int64_t dim) {
+  uint16_t bits;
+  std::memcpy(&bits, row + d + 2 * (dim / kQ8Group), sizeof bits);
+  return bits;
+}
+
+// One head's row of the cache as float32 (the portable kernel's reads).
+template <typename C, int D>
+void row_to_float(const Elem<C>* row, float* out) {
+  if constexpr (std::is_same_v<C, Int8>) {
+    for (int g = 0; g < D; g += kQ8Group) {
+      const float scale = static_cast<float>(c10::Half(q8_scale_bits(row, D, g), c10::Half::from_bits()));
+      for (int i = g; i < g + kQ8Group; ++i) out[i] = static_cast<float>(static_cast<int8_t>(row[i])) * scale;
+    }
+  } else {
+    for (int d = 0; d < D; ++d) out[d] = to_float(row[d]);
+  }
+}
+
 // What both kernels read of their tensors: pointers, and the sizes that index them.
-template <typename T>
+template <typename Q, typename C>
 struct PagedArgs {
-  const T* q;
-  const T* keys;
-  const T* values;
-  T* out;
+  const Q* q;
+  const Elem<C>* keys;
+  const Elem<C>* values;
+  Q* out;
   const int64_t* tables;
   const int64_t* lengths;
   int64_t heads, block_size, kv_heads, group, table_width;
+  int64_t head_stride;   // elements of one head's row in the cache
   int64_t token_stride;  // elements between two slots of a head
 
   PagedArgs(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& num_keys, at::Tensor& result)
-      : q(query.data_ptr<T>()),
-        keys(k_cache.data_ptr<T>()),
-        values(v_cache.data_ptr<T>()),
-        out(result.data_ptr<T>()),
+      : q(reinterpret_cast<const Q*>(query.data_ptr())),
+        keys(reinterpret_cast<const Elem<C>*>(k_cache.data_ptr())),
+        values(reinterpret_cast<const Elem<C>*>(v_cache.data_ptr())),
+        out(reinterpret_cast<Q*>(result.data_ptr())),
         tables(block_tables.data_ptr<int64_t>()),
         lengths(num_keys.data_ptr<int64_t>()),
         heads(query.size(1)),
@@ -59,98 +102,211 @@ struct PagedArgs {
         kv_heads(k_cache.size(2)),
         group(heads / kv_heads),
         table_width(block_tables.size(1)),
-        token_stride(kv_heads * query.size(2)) {}
+        head_stride(Stored<C>::row(query.size(2))),
+        token_stride(kv_heads * head_stride) {}
 };
 
+#if defined(__AVX2__)
+// The vectors the decode kernel is written in: 16 float32 lanes on AVX-512, 8 on AVX2 (with
+// FMA and F16C), the same algorithm on both.
 #if defined(__AVX512F__)
+struct Vec {
+  using F = __m512;
+  static constexpr int W = 16;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* x) { return _mm512_loadu_ps(x); }
+  static void store(float* x, F v) { _mm512_storeu_ps(x, v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static float sum(F v) { return _mm512_reduce_add_ps(v); }
+  static float top(F v) { return _mm512_reduce_max_ps(v); }
+  static F keep_first(F v, int64_t count) {  // lanes from `count` on zeroed
+    return count >= W ? v : _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << count) - 1), v);
+  }
+  // 2^n for whole n in [-126, 127]
+  static F exp2_whole(F n) { return _mm512_scalef_ps(set1(1.0f), n); }
+  static F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+  static F from(const float* x) { return _mm512_loadu_ps(x); }
+  static F from(const c10::BFloat16* x) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static F from(const c10::Half* x) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))); }
+  static F from_codes(const uint8_t* codes) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+  }
+
+  // Lane j of the result is the sum of the lanes of v[kSumOrder[j]]: a tree of 15 adds
+  // instead of 16 separate horizontal sums.
+  static constexpr int kSumOrder[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+  static F sum_each(const F* v) {
+    F a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i)
+      a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+    for (int i = 0; i < 4; ++i)
+      b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88), _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
+    for (int i = 0; i < 2; ++i)
+      c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[i], b[i + 2], 0x44), _mm512_shuffle_ps(b[i], b[i + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  }
+};
+#else
+struct Vec {
+  using F = __m256;
+  static constexpr int W = 8;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* x) { return _mm256_loadu_ps(x); }
+  static void store(float* x, F v) { _mm256_storeu_ps(x, v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static float sum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static float top(F v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+  }
+  static F keep_first(F v, int64_t count) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(count, W))), lanes);
+    return _mm256_and_ps(v, _mm256_castsi256_ps(keep));
+  }
+  static F exp2_whole(F n) {  // the exponent field of the float directly
+    const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23));
+  }
+  static F round(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+  static F from(const float* x) { return _mm256_loadu_ps(x); }
+  static F from(const c10::BFloat16* x) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static F from(const c10::Half* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
+  static F from_codes(const uint8_t* codes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
+  }
+
+  // Lane j of the result is the sum of the lanes of v[j]: horizontal adds in a tree.
+  static constexpr int kSumOrder[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  static F sum_each(const F* v) {
+    const F a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const F a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const F b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // [v0..3 low, v0..3 high]
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+  }
+};
+#endif
+using F = Vec::F;
+constexpr int W = Vec::W;
+
 // exp(x) for x <= 0 (scores minus their running max): exp(f) * 2^n with x = f + n ln 2,
 // |f| <= ln 2 / 2; Cephes' expf constants (ln 2 split in two, degree-6 polynomial).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+inline F exp_nonpositive(F x) {
+  x = Vec::max(x, Vec::set1(-87.0f));
+  const F n = Vec::round(Vec::mul(x, Vec::set1(1.44269504f)));
+  F f = Vec::fmadd(n, Vec::set1(-0.693359375f), x);
+  f = Vec::fmadd(n, Vec::set1(2.12194440e-4f), f);
+  F p = Vec::set1(1.9875691500e-4f);
   for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
                   5.0000001201e-1f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+    p = Vec::fmadd(p, f, Vec::set1(c));
+  p = Vec::fmadd(p, Vec::mul(f, f), Vec::add(f, Vec::set1(1.0f)));
+  return Vec::mul(p, Vec::exp2_whole(n));
 }
 
-// 16 elements from the cache as float32.
-inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::BFloat16* x) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline __m512 load16(const c10::Half* x) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-}
-
-// Lane j of the result is the sum of the lanes of v[kSumOrder[j]]: a tree of 15 adds
-// instead of 16 separate horizontal sums.
-constexpr int kSumOrder[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-inline __m512 sum_each(const __m512* v) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88), _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[i], b[i + 2], 0x44), _mm512_shuffle_ps(b[i], b[i + 2], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+// Dims [dim, dim + W) of one head's row of the cache, as float32. An int8 row's W codes
+// share one scale (W divides 32).
+template <typename C, int D>
+inline F load_dims(const Elem<C>* row, int dim) {
+  if constexpr (std::is_same_v<C, Int8>)
+    return Vec::mul(Vec::from_codes(row + dim), Vec::set1(_cvtsh_ss(q8_scale_bits(row, D, dim))));
+  else
+    return Vec::from(row + dim);
 }
 
-// One query head against one key: 16 partial sums of their dot product. In bf16 on the
-// dot-product instruction, two dims per lane and step; else in float32 FMAs.
-template <typename T, int D, typename = void>
+// One query head against one key: W partial sums of their dot product, in float32 FMAs; a
+// bf16 query against a bf16 cache on the bf16 dot-product instruction, two dims per lane. A
+// Key is one head's row of a key, converted once for all the query heads that share it.
+template <typename Q, typename C, int D, typename = void>
 struct QueryHead {
-  __m512 dims[D / 16];
-  void load(const T* q) {
-    for (int c = 0; c < D / 16; ++c) dims[c] = load16(q + 16 * c);
+  struct Key {
+    F dims[D / W];
+    void load(const Elem<C>* k) {
+      for (int c = 0; c < D / W; ++c) dims[c] = load_dims<C, D>(k, W * c);
+    }
+  };
+  F dims[D / W];
+  void load(const Q* q) {
+    for (int c = 0; c < D / W; ++c) dims[c] = Vec::from(q + W * c);
   }
-  __m512 partial_dot(const T* k) const {
-    __m512 s = _mm512_mul_ps(dims[0], load16(k));
-    for (int c = 1; c < D / 16; ++c) s = _mm512_fmadd_ps(dims[c], load16(k + 16 * c), s);
+  F partial_dot(const Key& k) const {
+    F s = Vec::mul(dims[0], k.dims[0]);
+    for (int c = 1; c < D / W; ++c) s = Vec::fmadd(dims[c], k.dims[c], s);
     return s;
   }
 };
 #if defined(__AVX512BF16__)
 template <int D>
-struct QueryHead<c10::BFloat16, D, std::enable_if_t<D % 32 == 0>> {
+struct QueryHead<c10::BFloat16, c10::BFloat16, D, std::enable_if_t<D % 32 == 0>> {
+  struct Key {
+    const c10::BFloat16* row;  // read as the instruction's operand: nothing to convert
+    void load(const c10::BFloat16* k) { row = k; }
+  };
   __m512bh pairs[D / 32];
   void load(const c10::BFloat16* q) {
     for (int c = 0; c < D / 32; ++c) pairs[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
   }
-  __m512 partial_dot(const c10::BFloat16* k) const {
+  __m512 partial_dot(const Key& k) const {
     __m512 s = _mm512_setzero_ps();
-    for (int c = 0; c < D / 32; ++c) s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(k + 32 * c), pairs[c]);
+    for (int c = 0; c < D / 32; ++c) s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(k.row + 32 * c), pairs[c]);
     return s;
   }
 };
 #endif
 
-// acc[g] += weights[g] @ values for 16 keys (the weights of head g at weights + g * stride).
-// A chunk's padding repeats a real key with weight 0: fixed trip counts, no branches.
-template <typename T, int D, typename = void>
+// acc[g] += weights[g] @ values for W keys (the weights of head g at weights + g * stride).
+// A chunk's padding repeats a real key with weight 0: fixed trip counts, no branches. A
+// float32 cache's rows are read in place; another type's are converted once into a tile
+// that every head of the group reads (in place, f32 decodes took 12-16% less time).
+template <typename C, int D, typename = void>
 struct ValueSum {
-  static void add(const T* values, const int64_t* slots, int64_t token_stride,
+  static void add(const Elem<C>* values, const int64_t* slots, int64_t token_stride,
                   const float* weights, int64_t stride, int64_t group, float* acc, bool first) {
-    alignas(64) float rows[16][D];
-    for (int j = 0; j < 16; ++j)
-      for (int c = 0; c < D / 16; ++c) _mm512_store_ps(rows[j] + 16 * c, load16(values + slots[j] * token_stride + 16 * c));
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 o[D / 16];
-      float* ag = acc + g * D;
-      for (int c = 0; c < D / 16; ++c) o[c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(ag + 16 * c);
-      const float* w = weights + g * stride;
-      for (int j = 0; j < 16; ++j) {
-        const __m512 wj = _mm512_set1_ps(w[j]);
-        for (int c = 0; c < D / 16; ++c) o[c] = _mm512_fmadd_ps(wj, _mm512_load_ps(rows[j] + 16 * c), o[c]);
+    constexpr bool kInPlace = std::is_same_v<C, float>;
+    alignas(64) float tile[kInPlace ? 1 : W][D];
+    const float* rows[W];
+    for (int j = 0; j < W; ++j) {
+      const Elem<C>* row = values + slots[j] * token_stride;
+      if constexpr (kInPlace) {
+        rows[j] = row;
+      } else {
+        for (int c = 0; c < D / W; ++c) Vec::store(tile[j] + W * c, load_dims<C, D>(row, W * c));
+        rows[j] = tile[j];
       }
-      for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(ag + 16 * c, o[c]);
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      F o[D / W];
+      float* ag = acc + g * D;
+      for (int c = 0; c < D / W; ++c) o[c] = first ? Vec::zero() : Vec::load(ag + W * c);
+      const float* w = weights + g * stride;
+      for (int j = 0; j < W; ++j) {
+        const F wj = Vec::set1(w[j]);
+        for (int c = 0; c < D / W; ++c) o[c] = Vec::fmadd(wj, Vec::load(rows[j] + W * c), o[c]);
+      }
+      for (int c = 0; c < D / W; ++c) Vec::store(ag + W * c, o[c]);
     }
   }
   static void finish(int64_t, float*) {}
@@ -205,72 +361,74 @@ struct ValueSum<c10::BFloat16, D, std::enable_if_t<D % 32 == 0>> {
 #endif
 
 // Keys [first, n) of one sequence for all its query heads (kv_heads groups of `group`),
-// vectorized: scores 16 keys at a time, then the softmax, then values 16 keys at a time. A
+// vectorized: scores W keys at a time, then the softmax, then values W keys at a time. A
 // key's row holds every KV head side by side, so the history is read as one stream; read a
 // head at a time, a strided half or third of it, it came from memory at half the rate.
 // Returns each head's unnormalized output in acc, its peak score and its sum of weights.
-template <typename T, int D>
-void attend(const T* query, float scale, const T* __restrict keys, const T* __restrict values,
-            const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t first, int64_t n,
-            int64_t group, float* __restrict scores, float* __restrict peak,
-            float* __restrict total, float* __restrict acc) {
-  const int64_t len = n - first, padded = (len + 15) / 16 * 16;
-  const int64_t heads = kv_heads * group, stride = kv_heads * D;
-  std::vector<QueryHead<T, D>> q(heads);
+template <typename Q, typename C, int D>
+void attend(const Q* query, float scale, const Elem<C>* __restrict keys,
+            const Elem<C>* __restrict values, const int64_t* table, int64_t block_size,
+            int64_t kv_heads, int64_t first, int64_t n, int64_t group, float* __restrict scores,
+            float* __restrict peak, float* __restrict total, float* __restrict acc) {
+  const int64_t len = n - first, padded = (len + W - 1) / W * W;
+  const int64_t heads = kv_heads * group, row = Stored<C>::row(D), stride = kv_heads * row;
+  std::vector<QueryHead<Q, C, D>> q(heads);
   for (int64_t i = 0; i < heads; ++i) q[i].load(query + i * D);
-  std::vector<__m512> partial(heads * 16);
-  int64_t slots[16];
-  // The slots of keys i0 .. i0 + 15, one division per 16 keys; past the last key, its slot
+  std::vector<F> partial(heads * W);
+  int64_t slots[W];
+  // The slots of keys i0 .. i0 + W - 1, one division per W keys; past the last key, its slot
   // again (a real key, whose weight the softmax sets to 0).
   auto slots_from = [&](int64_t i0) {
     int64_t block = (first + i0) / block_size, offset = (first + i0) % block_size;
-    const int count = static_cast<int>(std::min<int64_t>(16, len - i0));
+    const int count = static_cast<int>(std::min<int64_t>(W, len - i0));
     for (int j = 0; j < count; ++j) {
       slots[j] = table[block] * block_size + offset;
       if (++offset == block_size) offset = 0, ++block;
     }
-    std::fill(slots + count, slots + 16, slots[count - 1]);
+    std::fill(slots + count, slots + W, slots[count - 1]);
   };
-  for (int64_t i0 = 0; i0 < len; i0 += 16) {
+  for (int64_t i0 = 0; i0 < len; i0 += W) {
     slots_from(i0);
-    for (int j = 0; j < 16; ++j) {
-      const T* row = keys + slots[j] * stride;
-      for (int64_t h = 0; h < kv_heads; ++h)
+    for (int j = 0; j < W; ++j) {
+      const Elem<C>* key = keys + slots[j] * stride;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        typename QueryHead<Q, C, D>::Key k;
+        k.load(key + h * row);
         for (int64_t g = 0; g < group; ++g)
-          partial[(h * group + g) * 16 + kSumOrder[j]] = q[h * group + g].partial_dot(row + h * D);
+          partial[(h * group + g) * W + Vec::kSumOrder[j]] = q[h * group + g].partial_dot(k);
+      }
     }
     for (int64_t i = 0; i < heads; ++i)
-      _mm512_storeu_ps(scores + i * padded + i0, _mm512_mul_ps(sum_each(&partial[i * 16]), _mm512_set1_ps(scale)));
+      Vec::store(scores + i * padded + i0, Vec::mul(Vec::sum_each(&partial[i * W]), Vec::set1(scale)));
   }
   for (int64_t i = 0; i < heads; ++i) {
     float* si = scores + i * padded;
     for (int64_t k = len; k < padded; ++k) si[k] = kMasked;
-    __m512 top_lanes = _mm512_loadu_ps(si);
-    for (int64_t k = 16; k < padded; k += 16) top_lanes = _mm512_max_ps(top_lanes, _mm512_loadu_ps(si + k));
-    peak[i] = _mm512_reduce_max_ps(top_lanes);
-    const __m512 top = _mm512_set1_ps(peak[i]);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t k = 0; k < padded; k += 16) {
-      const __mmask16 keys_here = len - k >= 16 ? 0xffff : static_cast<__mmask16>((1u << (len - k)) - 1);
-      const __m512 w = _mm512_maskz_mov_ps(keys_here, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(si + k), top)));
-      _mm512_storeu_ps(si + k, w);
-      sum = _mm512_add_ps(sum, w);
+    F top_lanes = Vec::load(si);
+    for (int64_t k = W; k < padded; k += W) top_lanes = Vec::max(top_lanes, Vec::load(si + k));
+    peak[i] = Vec::top(top_lanes);
+    const F top = Vec::set1(peak[i]);
+    F sum = Vec::zero();
+    for (int64_t k = 0; k < padded; k += W) {
+      const F w = Vec::keep_first(exp_nonpositive(Vec::sub(Vec::load(si + k), top)), len - k);
+      Vec::store(si + k, w);
+      sum = Vec::add(sum, w);
     }
-    total[i] = _mm512_reduce_add_ps(sum);
+    total[i] = Vec::sum(sum);
   }
-  for (int64_t i0 = 0; i0 < len; i0 += 16) {
+  for (int64_t i0 = 0; i0 < len; i0 += W) {
     slots_from(i0);
     for (int64_t h = 0; h < kv_heads; ++h)  // the rows just read for head 0 are in cache
-      ValueSum<T, D>::add(values + h * D, slots, stride, scores + h * group * padded + i0, padded,
+      ValueSum<C, D>::add(values + h * row, slots, stride, scores + h * group * padded + i0, padded,
                           group, acc + h * group * D, i0 == 0);
   }
-  ValueSum<T, D>::finish(heads, acc);
+  ValueSum<C, D>::finish(heads, acc);
 }
 #else
 // Portable: one KV head at a time, scores key by key, the compiler vectorizing over dims.
-template <typename T, int D>
-void attend_kv_head(const T* query, float scale, const T* __restrict keys,
-                    const T* __restrict values, const int64_t* table, int64_t block_size,
+template <typename Q, typename C, int D>
+void attend_kv_head(const Q* query, float scale, const Elem<C>* __restrict keys,
+                    const Elem<C>* __restrict values, const int64_t* table, int64_t block_size,
                     int64_t token_stride, int64_t first, int64_t n, int64_t group,
                     float* __restrict scores, float* __restrict peak, float* __restrict total,
                     float* __restrict acc) {
@@ -290,8 +448,7 @@ void attend_kv_head(const T* query, float scale, const T* __restrict keys,
     }
   };
   for_each_slot([&](int64_t i, int64_t slot) {
-    const T* k = keys + slot * token_stride;
-    for (int d = 0; d < D; ++d) row[d] = to_float(k[d]);
+    row_to_float<C, D>(keys + slot * token_stride, row);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q.data() + g * D;
       float part[16] = {0};
@@ -315,8 +472,7 @@ void attend_kv_head(const T* query, float scale, const T* __restrict keys,
   }
   std::fill(acc, acc + group * D, 0.0f);
   for_each_slot([&](int64_t i, int64_t slot) {
-    const T* v = values + slot * token_stride;
-    for (int d = 0; d < D; ++d) row[d] = to_float(v[d]);
+    row_to_float<C, D>(values + slot * token_stride, row);
     for (int64_t g = 0; g < group; ++g) {
       const float w = scores[g * len + i];
       float* ag = acc + g * D;
@@ -325,15 +481,16 @@ void attend_kv_head(const T* query, float scale, const T* __restrict keys,
   });
 }
 
-template <typename T, int D>
-void attend(const T* query, float scale, const T* __restrict keys, const T* __restrict values,
-            const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t first, int64_t n,
-            int64_t group, float* __restrict scores, float* __restrict peak,
-            float* __restrict total, float* __restrict acc) {
+template <typename Q, typename C, int D>
+void attend(const Q* query, float scale, const Elem<C>* __restrict keys,
+            const Elem<C>* __restrict values, const int64_t* table, int64_t block_size,
+            int64_t kv_heads, int64_t first, int64_t n, int64_t group, float* __restrict scores,
+            float* __restrict peak, float* __restrict total, float* __restrict acc) {
+  const int64_t row = Stored<C>::row(D);
   for (int64_t h = 0; h < kv_heads; ++h)
-    attend_kv_head<T, D>(query + h * group * D, scale, keys + h * D, values + h * D, table, block_size,
-                         kv_heads * D, first, n, group, scores, peak + h * group, total + h * group,
-                         acc + h * group * D);
+    attend_kv_head<Q, C, D>(query + h * group * D, scale, keys + h * row, values + h * row, table,
+                            block_size, kv_heads * row, first, n, group, scores, peak + h * group,
+                            total + h * group, acc + h * group * D);
 }
 #endif
 
@@ -341,11 +498,11 @@ void attend(const T* query, float scale, const T* __restrict keys, const T* __re
 // longer than a thread's fair share (half of it: about two items per thread) are cut into
 // parts of that many keys, at least kMinPart, and the parts' softmaxes merged after: one
 // long sequence alone, or beside short ones, keeps every thread busy.
-template <typename T, int D>
+template <typename Q, typename C, int D>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& num_keys, int64_t window,
             double scale, at::Tensor& out) {
-  const PagedArgs<T> a(q, k_cache, v_cache, block_tables, num_keys, out);
+  const PagedArgs<Q, C> a(q, k_cache, v_cache, block_tables, num_keys, out);
   const int64_t batch = q.size(0);
   constexpr int64_t kMinPart = 256;  // keys: below this a part costs more than it spreads
   auto first_key = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, a.lengths[b] - window) : 0; };
@@ -371,9 +528,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       const int64_t to = std::min(a.lengths[b], from + part_keys);
       scores.resize(a.heads * ((to - from + 15) / 16 * 16));
       const int64_t at = item * a.heads;
-      attend<T, D>(a.q + b * a.heads * D, static_cast<float>(scale), a.keys, a.values,
-                   a.tables + b * a.table_width, a.block_size, a.kv_heads, from, to, a.group,
-                   scores.data(), &peaks[at], &totals[at], &outs[at * D]);
+      attend<Q, C, D>(a.q + b * a.heads * D, static_cast<float>(scale), a.keys, a.values,
+                      a.tables + b * a.table_width, a.block_size, a.kv_heads, from, to, a.group,
+                      scores.data(), &peaks[at], &totals[at], &outs[at * D]);
     }
   });
   at::parallel_for(0, batch * a.heads, 16, [&](int64_t begin, int64_t end) {
@@ -388,8 +545,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         total += weight * totals[at];
         for (int d = 0; d < D; ++d) merged[d] += weight * outs[at * D + d];
       }
-      T* dst = a.out + row * D;
-      for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(merged[d] / total);
+      Q* dst = a.out + row * D;
+      for (int d = 0; d < D; ++d) dst[d] = static_cast<Q>(merged[d] / total);
     }
   });
 }
@@ -403,6 +560,19 @@ inline __m512bh bf16_pairs(const uint32_t* words) {
   return (__m512bh)_mm512_load_si512(words);
 }
 
+// One head's row of the cache as D bf16 values: in place for a bf16 cache, else converted
+// into `buffer` 32 dims at a time (rounded to nearest even, as torch's casts round).
+template <typename C, int D>
+const uint16_t* bf16_row(const Elem<C>* row, uint16_t* buffer) {
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    return reinterpret_cast<const uint16_t*>(row);
+  } else {
+    for (int c = 0; c < D; c += 32)
+      _mm512_store_si512(buffer + c, (__m512i)_mm512_cvtne2ps_pbh(load_dims<C, D>(row, c + 16), load_dims<C, D>(row, c)));
+    return buffer;
+  }
+}
+
 // kTileKeys keys and values of one KV head, laid out for vdpbf16ps, which multiplies two bf16
 // pairs per float32 lane and adds them in float32, at over twice the float32 FMA rate here.
 // Keys as pairs of dims (word p of key j: dims 2p, 2p+1), so a query's scores are vectors
@@ -412,16 +582,19 @@ struct Tile {
   alignas(64) uint32_t keys[D / 2][kTileKeys];
   alignas(64) uint32_t values[kTileKeys / 2][D];
 
-  void load(const c10::BFloat16* k, const c10::BFloat16* v, const int64_t* slots, int count,
-            int64_t stride) {
+  // The tile's keys and values from the cache rows at `slots` (each converted to bf16 as it
+  // is read, where the cache holds another type).
+  template <typename C>
+  void load(const Elem<C>* k, const Elem<C>* v, const int64_t* slots, int count, int64_t stride) {
+    alignas(64) uint16_t converted[3][D];  // a key and two values, where they need converting
     for (int j = 0; j < kTileKeys; ++j) {
-      const auto* key = reinterpret_cast<const uint32_t*>(k + slots[j] * stride);
+      const auto* key = reinterpret_cast<const uint32_t*>(bf16_row<C, D>(k + slots[j] * stride, converted[0]));
       for (int p = 0; p < D / 2; ++p) keys[p][j] = j < count ? key[p] : 0u;
     }
     for (int t = 0; t < kTileKeys / 2; ++t) {
       // Zeros past the last key: its softmax weight is 0, and 0 * garbage may be NaN.
-      const auto* even = reinterpret_cast<const uint16_t*>(v + slots[2 * t] * stride);
-      const auto* odd = reinterpret_cast<const uint16_t*>(v + slots[2 * t + 1] * stride);
+      const uint16_t* even = bf16_row<C, D>(v + slots[2 * t] * stride, converted[1]);
+      const uint16_t* odd = bf16_row<C, D>(v + slots[2 * t + 1] * stride, converted[2]);
       const uint32_t keep_even = 2 * t < count ? 0xffffu : 0u;
       const uint32_t keep_odd = 2 * t + 1 < count ? 0xffffu : 0u;
       for (int d = 0; d < D; ++d)
@@ -481,12 +654,12 @@ void attend_rows(const Tile<D>& tile, const uint32_t* const* query, const __mmas
   }
 }
 
-template <int D>
+template <typename C, int D>
 void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const at::Tensor& block_tables, const at::Tensor& num_keys, int64_t n,
              int64_t window, double scale, const int64_t* last_keys, at::Tensor& out) {
   using T = c10::BFloat16;
-  const PagedArgs<T> a(q, k_cache, v_cache, block_tables, num_keys, out);
+  const PagedArgs<T, C> a(q, k_cache, v_cache, block_tables, num_keys, out);
   const int64_t batch = q.size(0) / n, tiles = (n + kTileQueries - 1) / kTileQueries;
   const float scaled = static_cast<float>(scale);
 
@@ -517,7 +690,8 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
           const int64_t key = k0 + std::min(j, count - 1);  // padding repeats a real slot
           slots[j] = table[key / a.block_size] * a.block_size + key % a.block_size;
         }
-        tile->load(a.keys + h * D, a.values + h * D, slots, count, a.token_stride);
+        tile->template load<C>(a.keys + h * a.head_stride, a.values + h * a.head_stride, slots, count,
+                                  a.token_stride);
         // The rows whose query sees some key of the tile, kBlockRows consecutive ones at a time.
         const uint32_t* query[kBlockRows];
         __mmask32 valid[kBlockRows];
@@ -566,33 +740,38 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
 }
 #endif
 
+
 // Prompt chunks on the bf16 kernel above, where it was compiled; else the caller's fallback.
-template <typename T, int D>
+template <typename Q, typename C, int D>
 void prefill_dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& num_keys, int64_t n,
                       int64_t window, double scale, const int64_t* last_keys, at::Tensor& out) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16> && D % 32 == 0)
-    return prefill<D>(q, k_cache, v_cache, block_tables, num_keys, n, window, scale, last_keys, out);
+  if constexpr (std::is_same_v<Q, c10::BFloat16> && D % 32 == 0)
+    return prefill<C, D>(q, k_cache, v_cache, block_tables, num_keys, n, window, scale, last_keys, out);
 #endif
-  TORCH_CHECK(false, "paged_attention: prompt chunks need bf16, a head size that is a multiple"
-                     " of 32, and a CPU with AVX512-BF16");
+  TORCH_CHECK(false, "paged_attention: prompt chunks need bf16 queries, a head size that is a"
+                     " multiple of 32, and a CPU with AVX512-BF16");
 }
 
-// q [B * n, H, D]: n new queries per sequence, the last n of its keys (already in the cache);
-// k_cache, v_cache [blocks, block_size, Hkv, D]; block_tables [B, width] int64; num_keys [B]
-// int64: sequence b has keys 0 .. num_keys[b] - 1 of its table. Query i of sequence b, at key
-// position p = num_keys[b] - n + i, attends the keys up to its own, or for a prompt chunk given
-// last_keys [B * n] int64, up to last_keys[b * n + i] (>= p, < num_keys[b]); from key
-// p - window + 1 when window > 0. Returns [B * n, H, D].
+// q [B * n, H, D] (float32 or bf16): n new queries per sequence, the last n of its keys
+// (already in the cache); k_cache, v_cache [blocks, block_size, Hkv, D] in float32, bf16 or
+// f16, or uint8 [blocks, block_size, Hkv, D + D / 16] int8 rows; block_tables [B, width]
+// int64; num_keys [B] int64: sequence b has keys 0 .. num_keys[b] - 1 of its table. Query i of
+// sequence b, at key position p = num_keys[b] - n + i, attends the keys up to its own, or for a
+// prompt chunk given last_keys [B * n] int64, up to last_keys[b * n + i] (>= p, < num_keys[b]);
+// from key p - window + 1 when window > 0. Returns [B * n, H, D] in q's dtype.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& num_keys, int64_t n, int64_t window, double scale,
                            const c10::optional<at::Tensor>& last_keys) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type());
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3));
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: k and v caches differ in dtype");
+  const bool int8 = k_cache.scalar_type() == at::kByte;
+  const int64_t dim = q.size(2);
+  TORCH_CHECK(!int8 || dim % kQ8Group == 0, "paged_attention: an int8 cache needs a head size that is a multiple of 32");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && k_cache.size(3) == (int8 ? Stored<Int8>::row(dim) : dim));
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && num_keys.scalar_type() == at::kLong);
   TORCH_CHECK(n >= 1 && q.size(0) == n * block_tables.size(0) && num_keys.size(0) == block_tables.size(0));
   auto tables = block_tables.contiguous();
@@ -606,27 +785,41 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t* lasts_data = lasts.defined() ? lasts.data_ptr<int64_t>() : nullptr;
   auto out = at::empty_like(q);
   // The head size is a template argument, so the loops over it unroll and vectorize.
-  auto by_head_size = [&](auto type) {
-    using scalar_t = decltype(type);
+  auto by_head_size = [&](auto query_type, auto cache_type) {
+    using Q = decltype(query_type);
+    using C = decltype(cache_type);
     auto run = [&](auto head_dim) {
       constexpr int D = decltype(head_dim)::value;
-      if (n == 1) return decode<scalar_t, D>(q, k_cache, v_cache, tables, lengths, window, scale, out);
-      prefill_dispatch<scalar_t, D>(q, k_cache, v_cache, tables, lengths, n, window, scale, lasts_data, out);
+      if constexpr (std::is_same_v<C, Int8> && D % kQ8Group != 0) {
+        return;  // refused above
+      } else if (n == 1) {
+        decode<Q, C, D>(q, k_cache, v_cache, tables, lengths, window, scale, out);
+      } else {
+        prefill_dispatch<Q, C, D>(q, k_cache, v_cache, tables, lengths, n, window, scale, lasts_data, out);
+      }
     };
-    switch (q.size(2)) {
+    switch (dim) {
       case 16: return run(std::integral_constant<int, 16>());
       case 32: return run(std::integral_constant<int, 32>());
       case 64: return run(std::integral_constant<int, 64>());
       case 128: return run(std::integral_constant<int, 128>());
       case 256: return run(std::integral_constant<int, 256>());
-      default: TORCH_CHECK(false, "paged_attention: head size ", q.size(2), " is not 16, 32, 64, 128 or 256");
+      default: TORCH_CHECK(false, "paged_attention: head size ", dim, " is not 16, 32, 64, 128 or 256");
+    }
+  };
+  auto by_cache = [&](auto query_type) {
+    switch (k_cache.scalar_type()) {
+      case at::kFloat: return by_head_size(query_type, float());
+      case at::kBFloat16: return by_head_size(query_type, c10::BFloat16());
+      case at::kHalf: return by_head_size(query_type, c10::Half());
+      case at::kByte: return by_head_size(query_type, Int8());
+      default: TORCH_CHECK(false, "paged_attention: a ", k_cache.scalar_type(), " cache is not float32, bfloat16, float16 or int8 (uint8 rows)");
     }
   };
   switch (q.scalar_type()) {
-    case at::kFloat: by_head_size(float()); break;
-    case at::kBFloat16: by_head_size(c10::BFloat16()); break;
-    case at::kHalf: by_head_size(c10::Half()); break;
-    default: TORCH_CHECK(false, "paged_attention: ", q.scalar_type(), " is not float32, bfloat16 or float16");
+    case at::kFloat: by_cache(float()); break;
+    case at::kBFloat16: by_cache(c10::BFloat16()); break;
+    default: TORCH_CHECK(false, "paged_attention: ", q.scalar_type(), " queries are not float32 or bfloat16");
   }
   return out;
 }

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -148,42 +149,78 @@ void write_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots) {
   }
 }
 
-void write_one(const at::Tensor& x, at::Tensor& cache, const int64_t* slots) {
-  const bool float_in = x.scalar_type() == at::kFloat;
-  if (cache.scalar_type() == at::kFloat) {
-    if (float_in)
-      write_rows<float, float>(x, cache, slots);
-    else
-      write_rows<c10::BFloat16, float>(x, cache, slots);
-  } else {
-    if (float_in)
-      write_rows<float, c10::BFloat16>(x, cache, slots);
-    else
-      write_rows<c10::BFloat16, c10::BFloat16>(x, cache, slots);
+// Rows of x as the int8 cache's rows (kernels/kv_format.py), bytes equal to quantize_q8's:
+// per 32 values, scale = max |x| / 127 rounded to f16, codes x / scale rounded to nearest
+// even (nearbyint, as torch's round) and held within +-127.
+template <typename S>
+void quantize_rows(const at::Tensor& x, at::Tensor& cache, const int64_t* slots) {
+  constexpr int64_t kGroup = 32;
+  const Rows rows(x);
+  const int64_t d = rows.cols, row_bytes = cache.size(3);
+  const S* src = x.data_ptr<S>();
+  uint8_t* dst = cache.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < rows.outer * rows.inner; ++r) {
+    const S* row = src + rows.offset(r);
+    uint8_t* y = dst + (slots[r / rows.inner] * rows.inner + r % rows.inner) * row_bytes;
+    for (int64_t g = 0; g < d; g += kGroup) {
+      float amax = 0.0f;
+      for (int64_t i = g; i < g + kGroup; ++i) amax = std::max(amax, std::fabs(to_float(row[i])));
+      const c10::Half scale(amax / 127.0f);
+      const float wide = static_cast<float>(scale);
+      for (int64_t i = g; i < g + kGroup; ++i) {
+        const float code = wide > 0.0f ? std::nearbyint(to_float(row[i]) / wide) : 0.0f;
+        y[i] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(code, -127.0f, 127.0f)));
+      }
+      std::memcpy(y + d + 2 * (g / kGroup), &scale.x, sizeof scale.x);
+    }
   }
 }
 
-// The new keys and values k, v [T, Hkv, D] into the caches [blocks, block_size, Hkv, D] at
-// their slots [T] (block * block_size + offset), cast to the caches' dtype. Returns k and v in
-// that dtype (themselves where it is theirs), as the attention plans take them.
+template <typename S>
+void write_from(const at::Tensor& x, at::Tensor& cache, const int64_t* slots) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: return write_rows<S, float>(x, cache, slots);
+    case at::kBFloat16: return write_rows<S, c10::BFloat16>(x, cache, slots);
+    case at::kHalf: return write_rows<S, c10::Half>(x, cache, slots);
+    default: return quantize_rows<S>(x, cache, slots);  // uint8, as write_kv checked
+  }
+}
+
+// The new keys and values k, v [T, Hkv, D] into the caches at their slots [T] (block *
+// block_size + offset): caches [blocks, block_size, Hkv, D] of float32, bf16 or f16, cast
+// to their dtype, or int8 caches, uint8 [blocks, block_size, Hkv, D + D / 16] (D a multiple
+// of 32), quantized. Returns k and v as the attention plans take them: in a float cache's
+// dtype (themselves where it is theirs), and for an int8 cache as they came (the chunk's own
+// keys, in the queries' dtype).
 std::tuple<at::Tensor, at::Tensor> write_kv(const at::Tensor& k, const at::Tensor& v,
                                             at::Tensor& k_cache, at::Tensor& v_cache,
                                             const at::Tensor& slots) {
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
               "write_kv's slots must be a contiguous int64 [T]");
   const int64_t* s = slots.data_ptr<int64_t>();
+  const bool int8 = k_cache.scalar_type() == at::kByte;
   for (const auto& [x, cache] : {std::pair(&k, &k_cache), std::pair(&v, &v_cache)}) {
     check_float(*x, "write_kv");
-    check_float(*cache, "write_kv");
+    const auto type = cache->scalar_type();
+    TORCH_CHECK(cache->device().is_cpu() && type == k_cache.scalar_type() &&
+                    (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf || int8),
+                "write_kv's caches must be float32, bfloat16, float16 or uint8 (int8 rows), both alike");
+    const int64_t d = x->size(-1);
+    TORCH_CHECK(!int8 || d % 32 == 0, "write_kv: an int8 cache needs a head size that is a multiple of 32");
     TORCH_CHECK(x->dim() == 3 && x->size(0) == slots.size(0) && cache->is_contiguous() &&
                     cache->dim() == 4 && cache->size(2) == x->size(1) &&
-                    cache->size(3) == x->size(2),
-                "write_kv takes [T, Hkv, D] into contiguous caches [blocks, size, Hkv, D]");
+                    cache->size(3) == (int8 ? d + d / 16 : d),
+                "write_kv takes [T, Hkv, D] into contiguous caches [blocks, size, Hkv, D]"
+                " (int8: D + D / 16 bytes)");
     const int64_t capacity = cache->size(0) * cache->size(1);
     for (int64_t t = 0; t < slots.size(0); ++t)
       TORCH_CHECK(s[t] >= 0 && s[t] < capacity, "slot ", s[t], " is outside the cache");
-    write_one(*x, *cache, s);
+    if (x->scalar_type() == at::kFloat)
+      write_from<float>(*x, *cache, s);
+    else
+      write_from<c10::BFloat16>(*x, *cache, s);
   }
+  if (int8) return {k, v};
   return {k.to(k_cache.scalar_type()), v.to(v_cache.scalar_type())};
 }
 
