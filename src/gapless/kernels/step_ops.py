@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from gapless.kernels import blocks
+from gapless.kernels.kv_format import dequantize_q8, quantize_q8
 from gapless.kernels.probe import step_ops_work
 
 # The most rows a decode batch (decodes and proposed tokens) holds: our step ops and the
@@ -73,13 +74,19 @@ def write_kv(
     slots: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Writes the new keys and values k, v [T, Hkv, D] into the caches [blocks, block_size,
-    Hkv, D] at slots [T] (block * block_size + offset); returns k, v in the caches' dtype."""
+    Hkv, row] (kernels.KV_CACHE_DTYPES) at slots [T] (block * block_size + offset); returns
+    k, v as the cache now holds them: in a float cache's dtype, or from an int8 cache
+    dequantized into k's dtype (a chunk attends its own keys as later steps will read them)."""
     ext = _ours(k)
     if ext is not None and k_cache.dtype in DTYPES and slots.dtype == torch.int64:
         return ext.write_kv(k, v, k_cache, v_cache, slots)
-    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-    k_cache.flatten(0, 1).index_copy_(0, slots, k)
-    v_cache.flatten(0, 1).index_copy_(0, slots, v)
+    if k_cache.dtype == torch.uint8:
+        rows = quantize_q8(k), quantize_q8(v)
+        k, v = dequantize_q8(rows[0], k.dtype), dequantize_q8(rows[1], v.dtype)
+    else:
+        rows = k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k_cache.flatten(0, 1).index_copy_(0, slots, rows[0])
+    v_cache.flatten(0, 1).index_copy_(0, slots, rows[1])
     return k, v
 
 
