@@ -6,12 +6,15 @@ real models the accuracy each type keeps against the float32 cache
 from __future__ import annotations
 
 import platform
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 from helpers import load_script
 
 from gapless import Engine, EngineConfig
+from gapless import kernels as kernels_module
 from gapless.engine import builder
 from gapless.engine.runner import ModelRunner
 from gapless.kernels import (
@@ -33,11 +36,8 @@ TYPES = list(KV_CACHE_DTYPES)
 
 
 def test_auto_is_float16_where_the_cpu_converts_it_else_the_attention_dtype(monkeypatch):
-    import gapless.kernels as kernels
-
-    monkeypatch.setattr(
-        kernels, "machine", lambda: Machine("Zen 2", ("f16c", "avx2"), "AVX2", None)
-    )
+    zen2 = Machine("Zen 2", ("f16c", "avx2"), "AVX2", None)
+    monkeypatch.setattr(kernels_module, "machine", lambda: zen2)
     plain = Kernels(CPU, torch.float32, False, False)
     assert plain.kv_cache_dtype("auto", 64) == torch.float16
     # Where attention runs in bf16 (a bf16 run, or a quantized float32 one whose prompt chunks
@@ -49,7 +49,7 @@ def test_auto_is_float16_where_the_cpu_converts_it_else_the_attention_dtype(monk
     assert reduced.kv_cache_dtype("auto", 64) == torch.bfloat16
     cuda = Kernels(torch.device("cuda"), torch.bfloat16, False, False)
     assert cuda.kv_cache_dtype("auto", 64) == torch.bfloat16
-    monkeypatch.setattr(kernels, "machine", lambda: Machine("old", (), "DEFAULT", None))
+    monkeypatch.setattr(kernels_module, "machine", lambda: Machine("old", (), "DEFAULT", None))
     assert plain.kv_cache_dtype("auto", 64) == torch.float32
     assert plain.kv_cache_dtype("int8", 64) == torch.uint8
     assert plain.kv_cache_dtype("bfloat16", 64) == torch.bfloat16
@@ -174,6 +174,62 @@ def test_every_path_attends_every_cache_type_as_its_values_read_back(path, kv):
 
 
 ACCURACY = load_script("measure_kv_accuracy")
-# Bounds on the next tokens' |delta log-probability| against the float32 cache, over
-# 512 tokens of prose (issue 38).
+# Bounds on the mean |delta log-probability| of the next tokens against the float32 cache's
+# run, over 512 tokens of prose (issue 38).
 MEAN_BOUND = {"float16": 0.02, "bfloat16": 0.02, "int8": 0.05}
+# Attention in float32, where a storage type's rounding is all that differs: our kernels, as
+# a CPU without fast bf16 runs them (where auto picks float16), and the torch fallback. Where
+# attention runs in bf16 (quantized weights on AVX512-BF16), the float32 cache's run attends
+# on other paths than the bf16 cache's (the flash op in bf16, until our kernel reads a float32
+# cache with bf16 queries) and the difference is mostly theirs; auto keeps bf16 there, the
+# cache those runs always had (docs/server.md has both runs' figures).
+RUNS = ("ours, float32 attention", "fallback")
+# Seconds for a model's run, its measurement included: the fallback dequantizes a Q4 file's
+# weights in every forward, minutes on 2 cores.
+MODEL_TIMEOUT = 1200
+
+
+@dataclass
+class Measured:
+    drifts: dict[str, Any]  # by type: measure_kv_accuracy.Drift
+    differences: dict[str, dict[int, int]]  # by type: prompt -> first token unlike float32's
+
+
+@pytest.fixture(
+    scope="module", params=[(m, r) for m in ACCURACY.models() for r in RUNS], ids=" / ".join
+)
+def measured(request: pytest.FixtureRequest) -> Measured:
+    model, run = request.param
+    with pytest.MonkeyPatch.context() as patch:
+        if run == "fallback":
+            patch.setenv("GAPLESS_KERNELS", "fallback")
+        else:  # as a CPU without fast bf16: no reduced dtype
+            patch.setattr(kernels_module, "_fast_cpu_half", lambda dtype: False)
+        decoder, tokenizer = ACCURACY.load(ACCURACY.models()[model])
+        assert decoder.kernels.attention_dtype == torch.float32
+        drifts = ACCURACY.drifts(decoder, ACCURACY.prose_ids(tokenizer), tuple(MEAN_BOUND))
+        reference = ACCURACY.answers(decoder, tokenizer, "float32")
+        differences = {
+            kv: ACCURACY.first_differences(ACCURACY.answers(decoder, tokenizer, kv), reference)
+            for kv in MEAN_BOUND
+        }
+    for kv, drift in drifts.items():
+        print(f"{model} / {run}: {kv} {drift}, answers unlike float32's: {differences[kv]}")
+    return Measured(drifts, differences)
+
+
+@pytest.mark.timeout(MODEL_TIMEOUT)
+def test_each_type_keeps_the_next_token_probabilities_within_bounds(measured):
+    for kv, drift in measured.drifts.items():
+        assert drift.mean_abs <= MEAN_BOUND[kv], kv
+
+
+@pytest.mark.timeout(MODEL_TIMEOUT)
+def test_each_type_keeps_the_answer_to_what_is_the_capital_of_france(measured):
+    """The first prompt's greedy answer is the float32 cache's on every type. The other five
+    may part at a near-tie: on these quantized files a decode step's activations are rounded
+    to 8 bits per block, which turns the smallest difference into a step (the table in
+    docs/server.md says which parted, and where)."""
+    assert ACCURACY.PROMPTS[0] == "What is the capital of France?"
+    for kv, differ in measured.differences.items():
+        assert 0 not in differ, kv
