@@ -118,7 +118,7 @@ class ModelRunner:
         log.info(
             "kernels: %s KV cache, %s attention, decodes on %s",
             kv_cache_name(self.kv_cache_dtype),
-            str(self.kernels.attention_dtype).removeprefix("torch."),
+            kv_cache_name(self.kernels.attention_dtype),
             decodes,
         )
 
