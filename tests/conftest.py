@@ -101,6 +101,29 @@ def demo_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo-cache"))
 
 
+# GAPLESS_TEST_KV_CACHE_DTYPE=int8 (or float16, bfloat16, float32) runs every engine the
+# tests build with --kv-cache-dtype auto on that KV cache type instead: int8 only where the
+# model's head size allows it (a multiple of 32), auto elsewhere. For running the engine's
+# tests (prefix cache, sliding windows, speculation, tensor parallelism, images) on each type.
+KV_CACHE_DTYPE = os.environ.get("GAPLESS_TEST_KV_CACHE_DTYPE")
+
+
+@pytest.fixture(autouse=True)
+def kv_cache_dtype_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gapless.kernels import Kernels
+
+    if KV_CACHE_DTYPE is None:
+        return
+    resolve = Kernels.kv_cache_dtype
+
+    def overridden(self: Kernels, name: str, head_dim: int) -> Any:
+        if name == "auto" and (KV_CACHE_DTYPE != "int8" or head_dim % 32 == 0):
+            name = KV_CACHE_DTYPE
+        return resolve(self, name, head_dim)
+
+    monkeypatch.setattr(Kernels, "kv_cache_dtype", overridden)
+
+
 @pytest.fixture(params=["auto", "fallback"])
 def kernels_choice(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test on the kernels the probe picks, and again on the public-op fallbacks."""

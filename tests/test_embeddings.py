@@ -45,8 +45,13 @@ def close(vector: list[float], want: torch.Tensor, tol: float = 1e-5) -> bool:
     return (torch.tensor(vector) - want).abs().max().item() < tol
 
 
+# Float32 throughout, the KV cache too (auto stores it in float16 on most CPUs): the vectors
+# are compared with transformers' float32 ones.
+EXACT = {"dtype": "float32", "kv_cache_dtype": "float32"}
+
+
 def engine(path: Path, **fields: Any) -> Engine:
-    return Engine.from_pretrained(path, EngineConfig.of(dtype="float32", **fields))
+    return Engine.from_pretrained(path, EngineConfig.of(**EXACT, **fields))
 
 
 def embed_alone(e: Engine, ids: list[int], pooling: str | None = None) -> FinishedEvent:
@@ -60,7 +65,7 @@ def embed_alone(e: Engine, ids: list[int], pooling: str | None = None) -> Finish
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_embeddings_are_transformers_pooled_hidden_states_across_chunks(llama_dir, hf, pooling):
     # 40 tokens in chunks of 8: mean pooling adds up five chunks' sums.
-    llm = LLM(llama_dir, dtype="float32", prefill_chunk=CHUNK, idle_prefill_chunk=CHUNK)
+    llm = LLM(llama_dir, **EXACT, prefill_chunk=CHUNK, idle_prefill_chunk=CHUNK)
     texts = ["def fibonacci(n):", "import os\nprint(os.getcwd())"]
     ids = [prompt(40, 3), *(llm.tokenizer.encode(t) for t in texts)]
     want = [reference(hf, p, pooling) for p in ids]
@@ -179,7 +184,7 @@ def test_an_embedding_prompt_may_fill_the_context_but_not_more(llama_dir):
 
 def test_two_tensor_parallel_ranks_embed_as_one(llama_dir, hf):
     ids = prompt(40, 3)
-    with LLM(llama_dir, dtype="float32", prefill_chunk=CHUNK, tensor_parallel_size=2) as llm:
+    with LLM(llama_dir, **EXACT, prefill_chunk=CHUNK, tensor_parallel_size=2) as llm:
         for pooling in ("last", "mean"):
             [vector] = llm.embed([ids], pooling=pooling)
             assert close(vector, reference(hf, ids, pooling), 1e-4)
@@ -191,7 +196,7 @@ def test_two_tensor_parallel_ranks_embed_as_one(llama_dir, hf):
 @pytest.fixture(scope="module")
 def server(llama_dir: Path) -> Iterator[RunningServer]:
     with running_server(
-        llama_dir, max_model_len=CONTEXT, prefill_chunk=CHUNK, idle_prefill_chunk=CHUNK
+        llama_dir, max_model_len=CONTEXT, prefill_chunk=CHUNK, idle_prefill_chunk=CHUNK, **EXACT
     ) as running:
         yield running
 
@@ -328,7 +333,10 @@ def test_bad_ollama_requests_are_400s(client, server, path, body, needle):
 
 def test_task_embed_serves_embeddings_only(llama_dir, hf):
     settings = ServerSettings(MODEL, task="embed")
-    with running_server(llama_dir, settings, pooling="mean") as running, running.client() as c:
+    with (
+        running_server(llama_dir, settings, pooling="mean", **EXACT) as running,
+        running.client() as c,
+    ):
         ids = running.engine.tokenizer.encode(TEXTS[0])
         r = c.post("/v1/embeddings", json={"input": TEXTS[0]})
         assert close(r.json()["data"][0]["embedding"], reference(hf, ids, "mean"))

@@ -75,7 +75,8 @@ def test_prompt_logprobs_and_greedy_tokens_match_transformers(checkpoint, arch, 
         greedy = hf.generate(
             torch.tensor([ids[:30]]), max_new_tokens=40, min_new_tokens=40, do_sample=False
         )[0, 30:].tolist()
-    llm = LLM(path, dtype="float32", prefill_chunk=16)
+    # Float32 throughout, the KV cache too (auto stores it in float16 on most CPUs).
+    llm = LLM(path, dtype="float32", kv_cache_dtype="float32", prefill_chunk=16)
     params = SamplingParams(max_tokens=1, prompt_logprobs=1, ignore_eos=True)
     out = llm.generate([ids], params)[0]
     diff = max(

@@ -57,31 +57,33 @@ def test_quantized_weights_run_float32_with_bf16_compute_where_bf16_is_fast(monk
     isa = ("avx2", "avx512", "avx512-bf16")
     monkeypatch.setattr(kernels, "machine", lambda: Machine("Zen 4", isa, "AVX512_CORE", None))
     monkeypatch.setattr(kernels, "packed_linear_works", lambda dtype: True)
-    monkeypatch.setattr(kernels, "paged_prefill_works", lambda dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(
+        kernels, "paged_prefill_works", lambda q, cache: q == cache == torch.bfloat16
+    )
     assert kernels.resolve_dtype("auto", CPU) == torch.bfloat16
     assert kernels.resolve_dtype("auto", CPU, quantized=True) == torch.float32
     assert kernels.resolve_dtype("auto", torch.device("cuda"), quantized=True) == torch.bfloat16
     chosen = kernels.select(CPU, torch.float32, quantized=True)
-    assert chosen.kv_dtype == torch.bfloat16
-    assert "bfloat16 KV cache and attention" in chosen.describe()
+    assert chosen.attention_dtype == torch.bfloat16
+    assert "bfloat16 attention" in chosen.describe()
     q = quantize_int4(torch.randn(32, 64), 32)
     linear = chosen.linear(q)
     assert linear.dense_dtype == torch.bfloat16
     x = torch.randn(40, 64)  # more rows than the int kernel takes: the dense path
     want = F.linear(x.bfloat16(), q.dequantize(torch.bfloat16)).float()
     assert torch.equal(linear(x), want)
-    # Where our kernel does not attend prompt chunks (AMX, no compiler), KV and attention
-    # stay float32: the flash op computes bf16 at the float32 rate, and rounds differently.
-    monkeypatch.setattr(kernels, "paged_prefill_works", lambda dtype: False)
+    # Where our kernel does not attend prompt chunks (AMX, no compiler), attention stays
+    # float32: the flash op computes bf16 at the float32 rate, and rounds differently.
+    monkeypatch.setattr(kernels, "paged_prefill_works", lambda q, cache: False)
     flash = kernels.select(CPU, torch.float32, quantized=True)
-    assert flash.reduced_dtype == torch.bfloat16 and flash.kv_dtype == torch.float32
-    assert "KV cache" not in flash.describe()
+    assert flash.reduced_dtype == torch.bfloat16 and flash.attention_dtype == torch.float32
+    assert "bfloat16 attention" not in flash.describe()
     # Float weights stay float32 throughout; so does the fallback.
-    assert kernels.select(CPU, torch.float32).kv_dtype == torch.float32
+    assert kernels.select(CPU, torch.float32).attention_dtype == torch.float32
     assert kernels.select(CPU, torch.bfloat16, quantized=True).linear(q).dense_dtype is None
     monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
     forced = kernels.select(CPU, torch.float32, quantized=True)
-    assert forced.linear(q).dense_dtype is None and forced.kv_dtype == torch.float32
+    assert forced.linear(q).dense_dtype is None and forced.attention_dtype == torch.float32
 
 
 def test_a_narrow_lm_head_keeps_its_best_logits_exact():
@@ -114,8 +116,8 @@ def test_amx_keeps_prompt_chunks_on_the_flash_op(monkeypatch):
     isa = ("avx2", "avx512", "avx512-bf16", "amx")
     monkeypatch.setattr(kernels, "machine", lambda: Machine("SPR", isa, "AVX512_CORE_AMX", None))
     chosen = kernels.select(CPU, torch.bfloat16)
-    assert not chosen.paged_prefill and not chosen.prefills_paged(64)
-    assert kernels.select(CPU, torch.float32, quantized=True).kv_dtype == torch.float32
+    assert not chosen.paged_prefill and not chosen.prefills_paged(64, torch.bfloat16)
+    assert kernels.select(CPU, torch.float32, quantized=True).attention_dtype == torch.float32
 
 
 def test_cuda_gets_public_ops():
@@ -360,7 +362,7 @@ def test_every_chunk_plan_lets_a_bidirectional_range_see_to_its_end(path, chunk,
     q = torch.randn(n, heads, dim, generator=gen).to(dtype)
 
     chosen = kernels.Kernels(CPU, dtype, False, path == "in place", **fields)
-    layout = AttentionLayout(bs, (window,), dim, heads // kv_heads, CPU)
+    layout = AttentionLayout(bs, (window,), dim, heads // kv_heads, CPU, dtype)
     [plan] = Planner(chosen, layout).plan([Span(0, start, n, table, ((first, end),))])
     assert isinstance(plan, plan_type)
     own = slots[start:]
@@ -379,7 +381,7 @@ def test_every_chunk_plan_lets_a_bidirectional_range_see_to_its_end(path, chunk,
 def test_a_bidirectional_range_cut_by_its_chunk_is_refused():
     """Its later keys are not in the cache yet: the scheduler never cuts such a range."""
     chosen = kernels.Kernels(CPU, torch.float32, False, False)
-    planner = Planner(chosen, AttentionLayout(16, (None,), 32, 2, CPU))
+    planner = Planner(chosen, AttentionLayout(16, (None,), 32, 2, CPU, torch.float32))
     with pytest.raises(ValueError, match="does not end within the chunk"):
         planner.plan([Span(0, 0, 16, [0, 1], ((10, 20),))])
 

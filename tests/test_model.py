@@ -135,7 +135,8 @@ def test_prompt_logprobs_match_transformers(checkpoint):
     ids = prompt(50, seed=5)
     with torch.no_grad():
         ref = hf_model(path)(torch.tensor([ids])).logits[0].log_softmax(-1)
-    llm = LLM(path, dtype="float32", prefill_chunk=16)
+    # Float32 throughout, the KV cache too (auto stores it in float16 on most CPUs).
+    llm = LLM(path, dtype="float32", kv_cache_dtype="float32", prefill_chunk=16)
     out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1, ignore_eos=True))[0]
     assert out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(ids)

@@ -70,7 +70,8 @@ def test_prompt_logprobs_and_greedy_tokens_match_transformers(checkpoint, varian
         greedy = hf.generate(
             torch.tensor([ids[:30]]), max_new_tokens=40, do_sample=False, eos_token_id=None
         )[0, 30:].tolist()
-    llm = LLM(path, dtype="float32", prefill_chunk=16)
+    # Float32 throughout, the KV cache too (auto stores it in float16 on most CPUs).
+    llm = LLM(path, dtype="float32", kv_cache_dtype="float32", prefill_chunk=16)
     sparse = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
     assert [isinstance(layer, MoeLayer) for layer in llm.engine.decoder.layers] == sparse
     check_logprobs_and_greedy(llm, ids, ref, greedy)
@@ -282,7 +283,7 @@ def test_gpt_oss_gguf_matches_transformers(checkpoint, tmp_path, caplog, monkeyp
             torch.tensor([ids[:30]]), max_new_tokens=40, do_sample=False, eos_token_id=None
         )[0, 30:].tolist()
     with caplog.at_level(logging.WARNING, "gapless.model"):
-        llm = LLM(str(path), dtype="float32", prefill_chunk=16)
+        llm = LLM(str(path), dtype="float32", kv_cache_dtype="float32", prefill_chunk=16)
     assert llm.engine.decoder.config.architecture == "GptOssForCausalLM"
     warned = "GGUF MXFP4 weights have no kernel here: dequantized at load" in caplog.text
     assert warned == (experts_type == QType.MXFP4)

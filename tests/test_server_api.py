@@ -35,6 +35,7 @@ def server(llama_dir: Path) -> Iterator[RunningServer]:
         prefill_chunk=CHUNK,
         idle_prefill_chunk=CHUNK,
         kv_cache_tokens=40_000,
+        kv_cache_dtype="float32",  # prompt logprobs are compared with transformers' float32
         max_num_seqs=32,
     ) as running:
         yield running

@@ -183,14 +183,14 @@ def test_serve_flags_reach_the_configs_their_options_live_on() -> None:
     flags = ["--prefill-chunk", "8", "--no-prefix-cache", "--prefill-policy", "fcfs"]
     flags += ["--kv-memory", "0.5", "--threads", "1", "--max-body-mb", "2"]
     flags += ["--shutdown-grace", "5", "--response-store-entries", "3"]
-    flags += ["--pooling", "mean", "--task", "embed"]
+    flags += ["--pooling", "mean", "--task", "embed", "--kv-cache-dtype", "int8"]
     args = parser.parse_args(["serve", *flags])
     config = engine_config(args)
     assert (config.scheduler.prefill_chunk, config.scheduler.enable_prefix_cache) == (8, False)
     assert config.scheduler.prefill_policy == "fcfs"
     assert (config.kv_memory_gib, config.num_threads) == (0.5, 1)
     assert config.scheduler.idle_prefill_chunk == EngineConfig().scheduler.idle_prefill_chunk
-    assert config.pooling == "mean"
+    assert config.pooling == "mean" and config.kv_cache_dtype == "int8"
     settings = server_settings(args, "m")
     assert settings.max_body_bytes == 2 * 2**20
     assert (settings.shutdown_grace_s, settings.response_store_entries) == (5, 3)
@@ -198,6 +198,8 @@ def test_serve_flags_reach_the_configs_their_options_live_on() -> None:
     assert settings.task == "embed"
     with pytest.raises(SystemExit):  # a range the option declares
         parser.parse_args(["serve", "--prefill-policy", "lifo"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kv-cache-dtype", "int4"])
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--pooling", "max"])
     with pytest.raises(ValueError, match="prefill_chunk must be positive"):

@@ -34,6 +34,7 @@ NEW_TOKENS = 6
 def engine_of(path: Path, chunk: int = 512, **options) -> Engine:
     config = EngineConfig.of(
         dtype="float32",
+        kv_cache_dtype="float32",  # compared with transformers' float32
         kv_cache_tokens=2048,
         speculate="none",
         prefill_chunk=chunk,

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from gapless.device import prepare_process, rank_device
 from gapless.engine import distributed
 from gapless.engine.config import EngineConfig
@@ -61,7 +63,9 @@ def build(
         decoder, tokenizer = load_model(path, config.dtype, parallel.device, parallel, *quantize)
         runner = kv_runner(decoder, config)
         parallel.broadcast(
-            distributed.AllocateKV(runner.num_blocks, runner.block_size, runner.window_blocks)
+            distributed.AllocateKV(
+                runner.num_blocks, runner.block_size, runner.window_blocks, runner.kv_cache_dtype
+            )
         )
     except BaseException:
         group.abort()
@@ -102,9 +106,10 @@ def kv_runner(
     holds as many tokens as the target's first group: its bytes count with that group's."""
     mcfg, scheduling = decoder.config, config.scheduler
     groups = LayerGroups.of(mcfg.layer_windows)
-    per_token = groups.bytes_per_token(ModelRunner.kv_bytes_per_layer_token(decoder))
+    cache_dtype = kv_cache_dtype(decoder, config)
+    per_token = groups.bytes_per_token(ModelRunner.kv_bytes_per_layer_token(decoder, cache_dtype))
     if draft is not None:
-        per_token[0] += ModelRunner.kv_bytes_per_token(draft)
+        per_token[0] += ModelRunner.kv_bytes_per_token(draft, kv_cache_dtype(draft, config))
     num_blocks, window_blocks = split_blocks(
         groups,
         config.block_size,
@@ -116,7 +121,13 @@ def kv_runner(
         int(config.kv_memory_gib * 2**30),
     )
     encoder = vision.encoder if vision is not None else None
-    return ModelRunner(decoder, num_blocks, config.block_size, encoder, window_blocks)
+    return ModelRunner(decoder, num_blocks, config.block_size, encoder, window_blocks, cache_dtype)
+
+
+def kv_cache_dtype(decoder: Decoder, config: EngineConfig) -> torch.dtype:
+    """The storage type of this model's KV cache under config.kv_cache_dtype (a draft model
+    resolves its own: its kernels and head size may differ)."""
+    return decoder.kernels.kv_cache_dtype(config.kv_cache_dtype, decoder.config.head_dim)
 
 
 def cost_model(config: EngineConfig, vision: bool) -> StepCostModel | None:

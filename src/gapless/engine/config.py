@@ -12,7 +12,7 @@ from gapless.engine.options import check, option, split
 from gapless.engine.request import POOLINGS
 from gapless.engine.sampling_params import SERVICE_CLASSES
 from gapless.engine.scheduler import SchedulerConfig
-from gapless.kernels import DTYPES
+from gapless.kernels import DTYPES, KV_CACHE_DTYPES
 from gapless.model.quantize import (
     DEFAULT_INT4_GROUP_SIZE,
     INT4_GROUP_SIZES,
@@ -60,6 +60,13 @@ class EngineConfig:
         flag="--kv-memory",
         metavar="GIB",
         exclusive="kv",
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "the KV cache's storage type, whatever attention computes in: int8 keeps q8_0's 34 "
+        "bytes per 32 values (a head size that is a multiple of 32); auto: float16 on CPUs "
+        "with F16C, bfloat16 where attention runs in it (CUDA, bf16 CPUs), else float32",
+        choices=("auto", *KV_CACHE_DTYPES),
     )
     max_model_len: int | None = option(
         None, "context length (default: the model's maximum)", positive=True

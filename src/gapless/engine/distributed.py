@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn
 
+import torch
 import torch.distributed as dist
 
 from gapless.device import collective_backend, prepare_process, rank_device
@@ -93,6 +94,7 @@ class AllocateKV:
     num_blocks: int
     block_size: int
     window_blocks: tuple[int, ...] = ()  # ModelRunner's
+    kv_cache_dtype: torch.dtype | None = None  # ModelRunner's
 
 
 @dataclass(eq=False)
@@ -313,6 +315,7 @@ def serve_worker(group: Group) -> int:
                     message.num_blocks,
                     message.block_size,
                     window_blocks=message.window_blocks,
+                    kv_cache_dtype=message.kv_cache_dtype,
                 )
             else:
                 assert runner is not None

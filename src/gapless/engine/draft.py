@@ -15,6 +15,8 @@ num_computed, which after a verification covers the accepted proposals and nothi
 
 from __future__ import annotations
 
+import torch
+
 from gapless.engine.plan import DraftPlan
 from gapless.engine.request import Request
 from gapless.engine.runner import ChunkInput, ModelRunner
@@ -57,8 +59,15 @@ def check_draft(target: tuple[Decoder, Tokenizer], draft: tuple[Decoder, Tokeniz
 
 
 class DraftModel:
-    def __init__(self, decoder: Decoder, num_blocks: int, block_size: int) -> None:
-        self.runner = ModelRunner(decoder, num_blocks, block_size)
+    def __init__(
+        self,
+        decoder: Decoder,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: torch.dtype | None = None,
+    ) -> None:
+        """kv_cache_dtype: its cache's storage type, as ModelRunner's."""
+        self.runner = ModelRunner(decoder, num_blocks, block_size, kv_cache_dtype=kv_cache_dtype)
         self.pool = BlockPool(num_blocks, block_size)
         self._tables: dict[Request, list[int]] = {}
         self._seen: dict[Request, int] = {}  # leading tokens whose K/V the draft wrote

@@ -63,7 +63,8 @@ class Engine:
         self.runner = runner = runner or builder.kv_runner(decoder, config, draft, vision)
         self.draft = None
         if draft is not None:
-            self.draft = DraftModel(draft, runner.num_blocks, runner.block_size)
+            cache_dtype = builder.kv_cache_dtype(draft, config)
+            self.draft = DraftModel(draft, runner.num_blocks, runner.block_size, cache_dtype)
         self.pool = BlockPool(runner.num_blocks, runner.block_size)
         window_groups = [
             KVGroup(BlockPool(n, runner.block_size), w)

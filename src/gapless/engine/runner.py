@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 from dataclasses import dataclass
@@ -10,11 +11,13 @@ import torch
 
 from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
-from gapless.kernels import AttentionLayout, AttentionPlan, Span
+from gapless.kernels import AttentionLayout, AttentionPlan, Span, kv_cache_name, kv_cache_row
 from gapless.kv.groups import LayerGroups, first_needed_block
 from gapless.model.decoder import BatchInput, Decoder
 from gapless.model.parallel import RankFailed
 from gapless.model.vision import MediaRegion, VisionEncoder, chunk_embeds, mrope_slice
+
+log = logging.getLogger("gapless.kernels")
 
 
 @dataclass
@@ -67,11 +70,13 @@ class ModelRunner:
         block_size: int,
         encoder: VisionEncoder | None = None,
         window_blocks: tuple[int, ...] = (),
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """window_blocks: the blocks of each sliding-window KV group but the first, for a
         runner that keeps a hybrid model's layers in groups (kv/groups.py; the scheduler's
         window_groups); num_blocks are then the first group's. Empty: every layer keeps its
-        K/V in num_blocks blocks of one block table."""
+        K/V in num_blocks blocks of one block table. kv_cache_dtype: the cache's storage
+        type (Kernels.kv_cache_dtype resolves --kv-cache-dtype); None: the attention dtype."""
         cfg = decoder.config
         self.decoder = decoder
         self.encoder = encoder  # a vision-language model's: encodes a prompt's images
@@ -79,6 +84,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.window_blocks = window_blocks
+        self.kv_cache_dtype = kv_cache_dtype or self.kernels.attention_dtype
         grouped = bool(window_blocks)
         self.groups = LayerGroups((cfg.max_window,), (tuple(range(cfg.num_layers)),))
         if grouped:
@@ -91,15 +97,30 @@ class ModelRunner:
         windows = [(w,) for w in self.groups.windows] if grouped else [tuple(cfg.layer_windows)]
         head_group = cfg.num_heads // cfg.num_kv_heads
         self.layouts = [  # each KV group's
-            AttentionLayout(block_size, w, cfg.head_dim, head_group, decoder.device)
+            AttentionLayout(
+                block_size, w, cfg.head_dim, head_group, decoder.device, self.kv_cache_dtype
+            )
             for w in windows
         ]
         self._kv_memory: list[mmap.mmap] = []  # the CPU cache's pages (see _zeroed)
         caches = {}
         for blocks, layers in zip((num_blocks, *window_blocks), self.groups.layers, strict=True):
-            shape = (blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+            row = kv_cache_row(cfg.head_dim, self.kv_cache_dtype)
+            shape = (blocks, block_size, cfg.num_kv_heads, row)
             caches |= {layer: (self._zeroed(shape), self._zeroed(shape)) for layer in layers}
         self.kv_cache = [caches[layer] for layer in range(cfg.num_layers)]
+        layout = self.layouts[0]
+        decodes = (
+            "our paged kernel"
+            if self.kernels.decodes_paged(cfg.head_dim, layout.cache_dtype)
+            else "sdpa"
+        )
+        log.info(
+            "kernels: %s KV cache, %s attention, decodes on %s",
+            kv_cache_name(self.kv_cache_dtype),
+            kv_cache_name(self.kernels.attention_dtype),
+            decodes,
+        )
 
     def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zeroed tensor for the KV cache (zeroed, not empty: padded attention reads masked
@@ -107,7 +128,7 @@ class ModelRunner:
         which the OS maps as zeros and makes resident only when written: the cache costs
         memory as far as sequences have filled it, however much is reserved, as llama.cpp's
         does (SmolLM2's 16k tokens are 360 MiB reserved, a few MiB resident after start)."""
-        dtype, device = self.kernels.kv_dtype, self.decoder.device
+        dtype, device = self.kv_cache_dtype, self.decoder.device
         if torch.device(device).type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=device)
         memory = mmap.mmap(
@@ -117,13 +138,18 @@ class ModelRunner:
         return torch.frombuffer(memory, dtype=dtype).view(shape)
 
     @staticmethod
-    def kv_bytes_per_token(decoder: Decoder) -> int:
-        return decoder.config.num_layers * ModelRunner.kv_bytes_per_layer_token(decoder)
+    def kv_bytes_per_token(decoder: Decoder, kv_cache_dtype: torch.dtype | None = None) -> int:
+        layers = decoder.config.num_layers
+        return layers * ModelRunner.kv_bytes_per_layer_token(decoder, kv_cache_dtype)
 
     @staticmethod
-    def kv_bytes_per_layer_token(decoder: Decoder) -> int:
-        cfg = decoder.config
-        return 2 * cfg.num_kv_heads * cfg.head_dim * decoder.kernels.kv_dtype.itemsize
+    def kv_bytes_per_layer_token(
+        decoder: Decoder, kv_cache_dtype: torch.dtype | None = None
+    ) -> int:
+        """K and V of one token in one layer, in a cache of this storage type (None: the
+        attention dtype, as ModelRunner's): int8 is q8_0's 34 bytes per 32 values."""
+        cfg, dtype = decoder.config, kv_cache_dtype or decoder.kernels.attention_dtype
+        return 2 * cfg.num_kv_heads * kv_cache_row(cfg.head_dim, dtype) * dtype.itemsize
 
     def run_largest_step(self, num_tokens: int, context: int) -> None:
         """Runs one throwaway chunk of num_tokens ending at position context, then zeroes the

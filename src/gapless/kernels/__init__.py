@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from gapless.kernels import paged
+from gapless.kernels.kv_format import Q8_GROUP, q8_row_bytes
 from gapless.kernels.linear import (
     BlockLinear,
     Int4Linear,
@@ -44,7 +45,10 @@ __all__ = [
     "AttentionLayout",
     "AttentionPlan",
     "DECODE_ROWS",
+    "KV_CACHE_DTYPES",
     "Kernels",
+    "kv_cache_name",
+    "kv_cache_row",
     "Linear",
     "Span",
     "resolve_dtype",
@@ -54,6 +58,8 @@ __all__ = [
 log = logging.getLogger("gapless.kernels")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV cache's storage types; int8 is kv_format's rows of codes and scales, held as uint8.
+KV_CACHE_DTYPES = {**DTYPES, "int8": torch.uint8}
 
 
 @dataclass
@@ -81,15 +87,37 @@ class Kernels:
     paged_prefill: bool = False  # prompt chunks attend on it too, else on attention.py
     # A float32 run of quantized weights on a CPU that multiplies bf16 fast computes in bf16
     # where that costs little accuracy (the quantized linears' larger batches, a dense
-    # lm_head's reads, and the KV cache and attention where our kernel runs them: kv_dtype),
+    # lm_head's reads, and attention where our kernel runs it: attention_dtype),
     # and keeps the residual stream and norms in float32 (see resolve_dtype).
     # None: the run dtype everywhere.
     reduced_dtype: torch.dtype | None = None
 
     @property
-    def kv_dtype(self) -> torch.dtype:
-        """The KV cache's and attention's dtype (see _kv_dtype)."""
-        return _kv_dtype(self.dtype, self.reduced_dtype, self.paged_prefill)
+    def attention_dtype(self) -> torch.dtype:
+        """The dtype attention computes in, whatever the KV cache stores (see
+        _attention_dtype)."""
+        return _attention_dtype(self.dtype, self.reduced_dtype, self.paged_prefill)
+
+    def kv_cache_dtype(self, name: str, head_dim: int) -> torch.dtype:
+        """The KV cache's storage type for --kv-cache-dtype `name` and a model of this head
+        size. auto is the smallest that kept the default model's greedy answers: the
+        attention dtype on CUDA, and where it is bfloat16 already; float16 on CPUs that
+        convert it in hardware (F16C); else float32."""
+        if name == "auto":
+            narrow = self.device.type == "cuda" or self.attention_dtype == torch.bfloat16
+            if narrow or "f16c" not in machine().cpu_isa:
+                return self.attention_dtype
+            return torch.float16
+        if name not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown KV cache dtype {name!r}; choose auto, {', '.join(KV_CACHE_DTYPES)}"
+            )
+        if name == "int8" and head_dim % Q8_GROUP:
+            raise ValueError(
+                f"--kv-cache-dtype int8 needs a head size that is a multiple of {Q8_GROUP};"
+                f" this model's is {head_dim}"
+            )
+        return KV_CACHE_DTYPES[name]
 
     def linear(
         self, weight: torch.Tensor | GroupQuant | BlockQuant, bias: torch.Tensor | None = None
@@ -117,13 +145,22 @@ class Kernels:
         narrow = self.linear(weight.to(self.reduced_dtype))
         return NarrowLinear(weight, narrow, self.reduced_dtype)  # type: ignore[arg-type]
 
-    def decodes_paged(self, head_dim: int) -> bool:
-        """Whether decodes of a model with this head size run on our paged kernel."""
-        return self.paged_decode and head_dim in paged.HEAD_DIMS
+    def decodes_paged(self, head_dim: int, cache_dtype: torch.dtype) -> bool:
+        """Whether decodes of a model with this head size, over a KV cache of this storage
+        type, run on our paged kernel."""
+        return (
+            self.paged_decode
+            and head_dim in paged.HEAD_DIMS
+            and paged_decode_works(self.attention_dtype, cache_dtype)
+        )
 
-    def prefills_paged(self, head_dim: int) -> bool:
-        """Whether prompt chunks of a model with this head size do."""
-        return self.paged_prefill and head_dim in paged.PREFILL_HEAD_DIMS
+    def prefills_paged(self, head_dim: int, cache_dtype: torch.dtype) -> bool:
+        """Whether prompt chunks of such a model do."""
+        return (
+            self.paged_prefill
+            and head_dim in paged.PREFILL_HEAD_DIMS
+            and paged_prefill_works(self.attention_dtype, cache_dtype)
+        )
 
     def plan_attention(self, layout: AttentionLayout, spans: list[Span]) -> list[AttentionPlan]:
         """How the step's batch of these spans attends: the path of each part, as its plan
@@ -142,11 +179,12 @@ class Kernels:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of the batch's queries q [T, H, D], whose own keys and values k, v
-        [T, Hkv, D] (in the cache's dtype) are already in kv_cache, for a layer with this
-        window, each part as its plan says; softcap: its scores soft-capped; sinks [H]: a
-        logit per head that joins the softmax (plans.py). Returns [T, H * D] in q's dtype."""
-        run_dtype = q.dtype
-        q = as_dtype(q, kv_cache[0].dtype)
+        [T, Hkv, D] (as write_kv returns them) are already in kv_cache, for a layer with
+        this window, each part as its plan says; softcap: its scores soft-capped; sinks [H]:
+        a logit per head that joins the softmax (plans.py). Computes in attention_dtype,
+        whatever the cache stores. Returns [T, H * D] in q's dtype."""
+        run_dtype, dtype = q.dtype, self.attention_dtype
+        q, k, v = as_dtype(q, dtype), as_dtype(k, dtype), as_dtype(v, dtype)
         if len(plans) == 1:
             return as_dtype(plans[0].attend(q, k, v, kv_cache, window, softcap, sinks), run_dtype)
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
@@ -171,17 +209,29 @@ class Kernels:
             quant += ", GGUF blocks on our kernels"
         if self.reduced_dtype:
             quant += f", quantized prefill and dense lm_head on {_name(self.reduced_dtype)}"
-        if self.kv_dtype != self.dtype:
-            decode += f", {_name(self.kv_dtype)} KV cache and attention"
+        if self.attention_dtype != self.dtype:
+            decode += f", {_name(self.attention_dtype)} attention"
         return f"kernels: {where}, {dtype} {linear} linear, {attn} attention, {decode}, {quant}"
 
 
-def _kv_dtype(dtype: torch.dtype, reduced: torch.dtype | None, paged_prefill: bool) -> torch.dtype:
+def _attention_dtype(
+    dtype: torch.dtype, reduced: torch.dtype | None, paged_prefill: bool
+) -> torch.dtype:
     """A reduced dtype only where our bf16 kernel attends prompt chunks: that is where it pays
     (the CPU flash op computes bf16 at the float32 rate), and the flash op's bf16 rounding
     turned the default model's greedy answer to "What is the capital of France?" from 'The'
     to 'L' (logits 0.03 apart)."""
     return reduced if reduced and paged_prefill else dtype
+
+
+def kv_cache_row(head_dim: int, cache_dtype: torch.dtype) -> int:
+    """Elements of one token's head in a KV cache of this storage type: its last dim."""
+    return q8_row_bytes(head_dim) if cache_dtype == torch.uint8 else head_dim
+
+
+def kv_cache_name(cache_dtype: torch.dtype) -> str:
+    """A storage type's name, as --kv-cache-dtype spells it."""
+    return next(name for name, dt in KV_CACHE_DTYPES.items() if dt == cache_dtype)
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -210,15 +260,18 @@ def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) ->
     reduced = torch.bfloat16 if fast_bf16 else None
     # With AMX the flash op's bf16 products run on AMX tiles; ours was never measured
     # against it there, so it keeps the chunks (no AMX machine was at hand).
-    paged_prefill = cpu and "amx" not in machine().cpu_isa and paged_prefill_works(reduced or dtype)
-    kv_dtype = _kv_dtype(dtype, reduced, paged_prefill)  # probed before the Kernels exist
+    chunk_dtype = reduced or dtype
+    paged_prefill = (
+        cpu and "amx" not in machine().cpu_isa and paged_prefill_works(chunk_dtype, chunk_dtype)
+    )
+    attention_dtype = _attention_dtype(dtype, reduced, paged_prefill)  # before the Kernels
     kernels = Kernels(
         device,
         dtype,
         packed_linear=cpu and packed_linear_works(dtype),
-        in_place_attention=cpu and cpu_flash_works(kv_dtype),
+        in_place_attention=cpu and cpu_flash_works(attention_dtype),
         gguf_blocks=cpu and quantized and gguf_blocks_work(),
-        paged_decode=cpu and paged_decode_works(kv_dtype),
+        paged_decode=cpu and paged_decode_works(attention_dtype, attention_dtype),
         paged_prefill=paged_prefill,
         int8_dtype=None if fallback else _int_kernel_dtype(int8_mm_works, device, dtype),
         int4_dtype=None if fallback else _int_kernel_dtype(int4_mm_works, device, dtype),
@@ -252,7 +305,7 @@ def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> t
 
     Quantized weights already round activations to bfloat16 where that is fast (the int
     kernels), so their float32 runs compute in bf16 wherever it costs little accuracy: the
-    linears, attention over a bf16 KV cache, and a dense lm_head (Kernels.reduced_dtype).
+    linears, attention where our kernel runs it, and a dense lm_head (Kernels.reduced_dtype).
     What stays float32 is the residual stream and the norms: in bfloat16 they changed the
     default model's greedy answers ("What is the capital of France?" got "L'Étoile, la
     Marseillaise, ...", float32 "Paris").

@@ -8,12 +8,26 @@ Two implementations:
   consecutive cache slots, and its own new tokens causally (or under a mask); the parts are
   merged by their log-sum-exps (as in flash attention's own blocked loop). No copy of the
   history, which grows with every step of a long conversation.
+
+Both compute in q's dtype over a cache stored in any of kernels.KV_CACHE_DTYPES: what they
+read of it is converted first (`values`), per gathered batch of blocks or per run; a cache
+in q's dtype is read as it is.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from gapless.kernels.kv_format import dequantize_q8
+
+
+def values(cached: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values read from the cache, [..., row] in its storage type, as [..., D] in
+    dtype: int8 rows dequantized (kv_format), floats converted; no copy where already."""
+    if cached.dtype == torch.uint8:
+        return dequantize_q8(cached, dtype)
+    return cached if cached.dtype == dtype else cached.to(dtype)
 
 
 def gathered(
@@ -28,13 +42,11 @@ def gathered(
     """B sequences' n new queries each, q [B * n, H, D], attend the KV blocks key_blocks
     [B, nb] under mask (None: causal), heads folded or not (see plans.GatheredPlan).
     Returns [B * n, H * D]."""
-    b = key_blocks.shape[0]
-    _, _, kv_heads, dim = k_cache.shape
+    b, dim = key_blocks.shape[0], q.shape[-1]
+    kv_heads = k_cache.shape[2]
     group = q.shape[1] // kv_heads
-    # [B, Hkv, L, D]; index_select copies whole blocks ~3x faster than advanced indexing.
-    flat_blocks = key_blocks.flatten()
-    k = k_cache.index_select(0, flat_blocks).view(b, -1, kv_heads, dim).transpose(1, 2)
-    v = v_cache.index_select(0, flat_blocks).view(b, -1, kv_heads, dim).transpose(1, 2)
+    keys, vals = gather_blocks(k_cache, v_cache, key_blocks, q.dtype)
+    k, v = keys.transpose(1, 2), vals.transpose(1, 2)  # [B, Hkv, L, D]
     q = q.view(b, n, kv_heads, group, dim)
     if fold_heads:  # [B, Hkv, n * group, D], rows query-major
         q = q.transpose(1, 2).reshape(b, kv_heads, n * group, dim)
@@ -70,8 +82,9 @@ def in_place(
     flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     outs, lses = [], []
     for first, length in runs:
-        run_k = flat_k[first : first + length].transpose(0, 1)[None]  # a view: [1, Hkv, L, D]
-        run_v = flat_v[first : first + length].transpose(0, 1)[None]
+        # A view, [1, Hkv, L, D], where the cache is in q's dtype; else the run converted.
+        run_k = values(flat_k[first : first + length], q.dtype).transpose(0, 1)[None]
+        run_v = values(flat_v[first : first + length], q.dtype).transpose(0, 1)[None]
         o, lse = flash(folded, run_k, run_v)[:2]
         outs.append(o.view(kv_heads, n, group, dim))
         lses.append(lse.view(kv_heads, n, group))
@@ -125,13 +138,12 @@ def explicit(
 
 
 def gather_blocks(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, key_blocks: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key_blocks: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values of KV blocks key_blocks [B, nb], each [B, nb * block_size, Hkv, D]."""
+    """The keys and values of KV blocks key_blocks [B, nb], each [B, nb * block_size, Hkv, D]
+    in dtype."""
     b = key_blocks.shape[0]
-    shape = (b, -1, *k_cache.shape[2:])
+    # index_select copies whole blocks ~3x faster than advanced indexing.
     flat_blocks = key_blocks.flatten()
-    return (
-        k_cache.index_select(0, flat_blocks).view(shape),
-        v_cache.index_select(0, flat_blocks).view(shape),
-    )
+    k, v = (values(c.index_select(0, flat_blocks), dtype) for c in (k_cache, v_cache))
+    return k.view(b, -1, *k.shape[2:]), v.view(b, -1, *v.shape[2:])

@@ -12,6 +12,7 @@ import torch
 
 # /proc/cpuinfo flag -> the name the startup line and the roofline report use.
 ISA_FLAGS = {
+    "f16c": "f16c",  # float16 <-> float32 conversion: every x86-64 CPU since 2013
     "avx2": "avx2",
     "avx512f": "avx512",
     "avx512_vnni": "avx512-vnni",

@@ -35,7 +35,9 @@ from torch import Tensor
 
 from gapless.kernels import attention, paged
 
-KVCache = tuple[Tensor, Tensor]  # one layer's keys and values, [blocks, block_size, Hkv, D]
+# One layer's keys and values, [blocks, block_size, Hkv, row]: row is D, or for an int8
+# cache kv_format's row of codes and scales (kernels.kv_cache_row).
+KVCache = tuple[Tensor, Tensor]
 
 
 class PathChoices(Protocol):
@@ -46,11 +48,11 @@ class PathChoices(Protocol):
     max_history_runs: int
 
     @property
-    def kv_dtype(self) -> torch.dtype: ...
+    def attention_dtype(self) -> torch.dtype: ...
 
-    def decodes_paged(self, head_dim: int) -> bool: ...
+    def decodes_paged(self, head_dim: int, cache_dtype: torch.dtype) -> bool: ...
 
-    def prefills_paged(self, head_dim: int) -> bool: ...
+    def prefills_paged(self, head_dim: int, cache_dtype: torch.dtype) -> bool: ...
 
 
 class AttentionPlan(Protocol):
@@ -67,8 +69,8 @@ class AttentionPlan(Protocol):
         sinks: Tensor | None = None,
     ) -> Tensor:
         """Attention of the batch's queries q [T, H, D] in this plan's rows, for a layer with
-        this window, in the cache's dtype; their own keys and values k, v [T, Hkv, D] are
-        already in the cache (k_cache, v_cache). softcap: scores are soft-capped; sinks [H]:
+        this window, in q's dtype whatever the cache stores; their own keys and values k, v
+        [T, Hkv, D], in q's dtype, are already in the cache (k_cache, v_cache). softcap: scores are soft-capped; sinks [H]:
         a logit per head joins the softmax; either computed explicitly (see the module's
         docstring). Returns [len(rows), H * D]."""
         ...
@@ -116,7 +118,7 @@ class PagedPlan:
             return paged.paged_attention(
                 q[self.rows], *cache, self.key_blocks, self.num_keys, window, self.last_keys
             )
-        keys, values = attention.gather_blocks(*cache, self.key_blocks)
+        keys, values = attention.gather_blocks(*cache, self.key_blocks, q.dtype)
         b = self.key_blocks.shape[0]
         n = (self.rows.stop - self.rows.start) // b
         dev = keys.device
@@ -164,7 +166,7 @@ class GatheredPlan:
             return attention.gathered(
                 q[self.rows], *cache, self.key_blocks, n, mask, self.fold_heads
             )
-        keys, values = attention.gather_blocks(*cache, self.key_blocks)
+        keys, values = attention.gather_blocks(*cache, self.key_blocks, q.dtype)
         if mask is None:  # fresh whole blocks: plain causal
             keys_pos = torch.arange(keys.shape[1], device=keys.device)
             allowed = _allowed(keys_pos[:n], keys_pos, None)[None]
@@ -214,7 +216,9 @@ class InPlacePlan:
             return attention.in_place(q[rows], k[rows], v[rows], *cache, self.runs, own_mask)
         slots = torch.cat([torch.arange(first, first + n) for first, n in self.runs])
         slots = slots.to(q.device)
-        keys, values = (c.flatten(0, 1).index_select(0, slots) for c in cache)
+        keys, values = (
+            attention.values(c.flatten(0, 1).index_select(0, slots), q.dtype) for c in cache
+        )
         allowed = torch.ones(n, len(slots), dtype=torch.bool, device=q.device)
         if n > 1:  # the chunk's own keys
             keys, values = torch.cat((keys, k[rows])), torch.cat((values, v[rows]))
@@ -244,6 +248,7 @@ class AttentionLayout:
     head_dim: int
     head_group: int  # query heads per KV head
     device: torch.device
+    cache_dtype: torch.dtype  # the KV cache's storage type (kernels.KV_CACHE_DTYPES)
 
     @functools.cached_property
     def windows(self) -> list[int | None]:
@@ -291,7 +296,7 @@ class Planner:
         return plans
 
     def _decodes_paged(self) -> bool:
-        return self.kernels.decodes_paged(self.layout.head_dim)
+        return self.kernels.decodes_paged(self.layout.head_dim, self.layout.cache_dtype)
 
     def _key_start(self, first_query: int) -> int:
         """First key position (block-aligned) that any layer's window lets the query see."""
@@ -314,7 +319,7 @@ class Planner:
         allowed = {w: _allowed(query_pos, key_pos, w, last) for w in self.layout.windows}
         # Additive float masks, built once per step: SDPA would convert a bool mask per layer.
         shape = next(iter(allowed.values())).shape  # every window's is the same
-        zeros = torch.zeros(shape, dtype=self.kernels.kv_dtype, device=query_pos.device)
+        zeros = torch.zeros(shape, dtype=self.kernels.attention_dtype, device=query_pos.device)
         return {w: zeros.masked_fill(~m, float("-inf")) for w, m in allowed.items()}
 
     def _last_keys(self, span: Span) -> Tensor | None:
@@ -356,7 +361,7 @@ class Planner:
         key_start, blocks = self._blocks(span)
         key_blocks = torch.tensor(blocks, device=dev)[None]
         last = self._last_keys(span)
-        if self.kernels.prefills_paged(layout.head_dim):
+        if self.kernels.prefills_paged(layout.head_dim, layout.cache_dtype):
             num_keys = torch.tensor([start + n - key_start], device=dev)
             return PagedPlan(rows, key_blocks, num_keys, None if last is None else last - key_start)
         fold_max = self.kernels.fold_max_queries

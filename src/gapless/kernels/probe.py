@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from gapless.kernels.kv_format import dequantize_q8, quantize_q8
+
 
 def _works(fn: object) -> bool:
     try:
@@ -64,16 +66,18 @@ def int4_mm_works(device_type: str, dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def paged_decode_works(query_dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
-    """Our paged attention kernel builds here and its decodes, queries of query_dtype over a
-    cache of cache_dtype (None: the queries'; uint8: int8 rows), agree with plain attention."""
-    return _paged_kernel_agrees(query_dtype, cache_dtype or query_dtype, 1)
+def paged_decode_works(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Our paged attention kernel builds here and its decodes, with queries in query_dtype
+    over a KV cache stored in cache_dtype (kernels.KV_CACHE_DTYPES), agree with plain
+    attention."""
+    return _paged_kernel_agrees(query_dtype, cache_dtype, 1)
 
 
-def paged_prefill_works(query_dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> bool:
-    """Its prompt chunks do too: built only for bf16 queries on CPUs with AVX512-BF16
-    (elsewhere the CPU flash op is as fast; csrc/paged_attention.cpp), over any cache."""
-    return _paged_kernel_agrees(query_dtype, cache_dtype or query_dtype, 3)
+@functools.cache
+def paged_prefill_works(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Its prompt chunks do too: built only for bf16 on CPUs with AVX512-BF16 (elsewhere the
+    CPU flash op is as fast; csrc/paged_attention.cpp)."""
+    return _paged_kernel_agrees(query_dtype, cache_dtype, 3)
 
 
 def _paged_kernel_agrees(query_dtype: torch.dtype, cache_dtype: torch.dtype, n: int) -> bool:
@@ -84,13 +88,13 @@ def _paged_kernel_agrees(query_dtype: torch.dtype, cache_dtype: torch.dtype, n: 
         return False
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2 * n, 2, 64, generator=gen).to(query_dtype)
-    k_values, v_values = (torch.randn(3, 4, 1, 64, generator=gen) for _ in range(2))
-    if cache_dtype == torch.uint8:
-        k_cache, v_cache = kv_format.quantize_q8(k_values), kv_format.quantize_q8(v_values)
-        k_values, v_values = kv_format.dequantize_q8(k_cache), kv_format.dequantize_q8(v_cache)
+    k_cache, v_cache = (torch.randn(3, 4, 1, 64, generator=gen) for _ in range(2))
+    if cache_dtype == torch.uint8:  # kv_format's int8 rows
+        k_cache, v_cache = quantize_q8(k_cache), quantize_q8(v_cache)
+        values = dequantize_q8(k_cache), dequantize_q8(v_cache)
     else:
-        k_cache, v_cache = k_values.to(cache_dtype), v_values.to(cache_dtype)
-        k_values, v_values = k_cache.float(), v_cache.float()
+        k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+        values = k_cache.float(), v_cache.float()
     tables, num_keys = torch.tensor([[2, 0], [1, 0]]), torch.tensor([6, 3])
     try:
         got = paged.paged_attention(q, k_cache, v_cache, tables, num_keys, None)
@@ -100,7 +104,7 @@ def _paged_kernel_agrees(query_dtype: torch.dtype, cache_dtype: torch.dtype, n: 
     for b in range(2):
         slots = tables[b, :, None] * 4 + torch.arange(4)
         keys = slots.flatten()[: num_keys[b]]
-        k, v = (c.flatten(0, 1)[keys, 0] for c in (k_values, v_values))
+        k, v = (c.flatten(0, 1)[keys, 0] for c in values)
         scores = torch.einsum("nhd,ld->nhl", q[b * n : (b + 1) * n].float(), k) / 8
         causal = torch.arange(len(keys)) <= torch.arange(len(keys) - n, len(keys))[:, None, None]
         want = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v

@@ -20,6 +20,7 @@ from gapless.engine.distributed import Launch
 from gapless.engine.engine import Engine
 from gapless.engine.options import add_flags, options
 from gapless.engine.scheduler import SchedulerConfig
+from gapless.kernels import kv_cache_name
 from gapless.server.settings import ServerSettings
 
 log = logging.getLogger("gapless.server")
@@ -129,12 +130,13 @@ def _serve(args: argparse.Namespace) -> int:
     # engine steps them once it is done (the thread runs its work in order).
     thread.submit(_reserve_peak_memory, engine)
     log.info(
-        "serving %r from %s: context %d tokens, %d KV blocks of %d tokens",
+        "serving %r from %s: context %d tokens, %d KV blocks of %d tokens in %s",
         name,
         model_dir,
         engine.max_model_len,
         engine.pool.num_blocks,
         engine.pool.block_size,
+        kv_cache_name(engine.runner.kv_cache_dtype),
     )
     server = GaplessServer(engine, settings, args.host, args.port, args.log_level, thread, tenants)
     return server.run()
