@@ -82,7 +82,7 @@ def paged_prefill_works(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> b
 
 def _paged_kernel_agrees(query_dtype: torch.dtype, cache_dtype: torch.dtype, n: int) -> bool:
     """n queries of each of two sequences, the last n of their keys, attend causally."""
-    from gapless.kernels import kv_format, paged
+    from gapless.kernels import paged
 
     if not paged.supports(query_dtype, cache_dtype, n > 1) or paged.extension() is None:
         return False
