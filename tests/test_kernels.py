@@ -505,7 +505,7 @@ def test_bf16_chunks_on_our_kernel_match_the_public_ops(checkpoint, arch, monkey
 def test_write_kv_stores_new_keys_as_the_cache_holds_them(path, dtype, cache_dtype, monkeypatch):
     """Cast into a float cache, quantized into an int8 one with quantize_q8's very bytes
     (ties rounded to even, as torch rounds), on our step op and on the torch path; returned
-    in the float cache's dtype, or as they came for an int8 cache."""
+    in the float cache's dtype, or read back from an int8 cache (as later steps read them)."""
     if path == "ours":
         require_our_kernels(kernels.probe.step_ops_work(), "our step ops")
     else:
@@ -524,4 +524,9 @@ def test_write_kv_stores_new_keys_as_the_cache_holds_them(path, dtype, cache_dty
         want = cache_of(torch.zeros(3, 4, 2, 64), cache_dtype)
         want.flatten(0, 1)[slots] = cache_of(x.float(), cache_dtype)
         assert torch.equal(cache, want)
-        assert torch.equal(got, x if cache_dtype == torch.uint8 else x.to(cache_dtype))
+        held = (
+            kv_format.dequantize_q8(want.flatten(0, 1)[slots], x.dtype)
+            if cache_dtype == torch.uint8
+            else None
+        )
+        assert torch.equal(got, x.to(cache_dtype) if held is None else held)

@@ -170,7 +170,10 @@ def test_every_path_attends_every_cache_type_as_its_values_read_back(path, kv):
             allowed &= pos[:, None] - key_pos < window
         weights = scores.masked_fill(~allowed[:, None, None], float("-inf")).softmax(-1)
         want = torch.einsum("nkgl,lkd->nkgd", weights, values).reshape(n, -1)
-        assert (got[span.row : span.row + n] - want).abs().max().item() < 1e-4
+        # Over a bf16 cache our kernel sums values on the bf16 dot-product instruction, with
+        # the softmax weights rounded to bf16 (as flash attention does on GPUs).
+        tolerance = 4e-3 if kv == "bfloat16" else 1e-4
+        assert (got[span.row : span.row + n] - want).abs().max().item() < tolerance
 
 
 ACCURACY = load_script("measure_kv_accuracy")

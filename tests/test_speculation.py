@@ -392,7 +392,9 @@ def test_proposals_take_only_what_prompt_chunks_and_the_batch_leave():
         decoding(short, seed)
     assert drafts(short, waiting=30) == (30, [1, 1, 0])
     # Under a latency target that leaves no room, prompts still move, proposals do not.
-    target = Scheduler(config, BlockPool(512, 16), lambda contexts, start: 0)
+    target = Scheduler(
+        config, BlockPool(512, 16), lambda contexts, start, target: 0, itl_targets={"standard": 0.1}
+    )
     for seed in range(3):
         decoding(target, seed)
     assert drafts(target, waiting=100) == (config.min_prefill_chunk, [0, 0, 0])

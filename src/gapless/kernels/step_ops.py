@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from gapless.kernels import blocks
-from gapless.kernels.kv_format import quantize_q8
+from gapless.kernels.kv_format import dequantize_q8, quantize_q8
 from gapless.kernels.probe import step_ops_work
 
 # The most rows a decode batch (decodes and proposed tokens) holds: our step ops and the
@@ -76,15 +76,20 @@ def write_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Writes the new keys and values k, v [T, Hkv, D] into the caches [blocks, block_size,
     Hkv, D] at slots [T] (block * block_size + offset): cast to a float cache's dtype, or
-    quantized into an int8 cache (uint8 rows, kv_format.py). Returns k, v in a float cache's
-    dtype, or as they came for an int8 cache (the chunk's own keys, in the queries' dtype)."""
+    quantized into an int8 cache (uint8 rows, kv_format.py). Returns k, v as the cache now
+    holds them: in a float cache's dtype, or read back from an int8 cache into k's dtype (a
+    chunk attends its own keys as later steps will read them)."""
     ext = _ours(k)
     if ext is not None and k_cache.dtype in CACHE_DTYPES and slots.dtype == torch.int64:
-        return ext.write_kv(k, v, k_cache, v_cache, slots)
-    if k_cache.dtype == torch.uint8:
+        written = ext.write_kv(k, v, k_cache, v_cache, slots)
+        if k_cache.dtype != torch.uint8:
+            return written
+    elif k_cache.dtype == torch.uint8:
         k_cache.flatten(0, 1).index_copy_(0, slots, quantize_q8(k))
         v_cache.flatten(0, 1).index_copy_(0, slots, quantize_q8(v))
-        return k, v
+    if k_cache.dtype == torch.uint8:
+        rows = (c.flatten(0, 1).index_select(0, slots) for c in (k_cache, v_cache))
+        return tuple(dequantize_q8(r, k.dtype) for r in rows)  # type: ignore[return-value]
     k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
     k_cache.flatten(0, 1).index_copy_(0, slots, k)
     v_cache.flatten(0, 1).index_copy_(0, slots, v)
