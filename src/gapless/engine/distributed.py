@@ -30,14 +30,16 @@ import torch.distributed as dist
 
 from gapless.device import collective_backend, prepare_process, rank_device
 from gapless.engine.options import check, option
-from gapless.engine.runner import ModelRunner
+from gapless.engine.runner import CopyBlocks, ModelRunner
 from gapless.model.checkpoint import load_model
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import TensorParallel
+from gapless.model.pipeline import Stage
 from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE
 
 if TYPE_CHECKING:
     from gapless.model.parallel import Collectives
+    from gapless.model.tokenizer import Tokenizer
 
 log = logging.getLogger("gapless.distributed")
 
@@ -47,7 +49,7 @@ IDLE_TIMEOUT = timedelta(days=365)  # workers wait this long for rank 0's next s
 HEARTBEAT_S = 0.5
 
 
-TENSOR_PARALLELISM = "tensor parallelism (see docs/distributed.md)"
+TENSOR_PARALLELISM = "tensor and pipeline parallelism (see docs/distributed.md)"
 
 
 @dataclass
@@ -86,6 +88,23 @@ class LoadModel:
     dtype: str
     quantize: str | None = None
     quantize_group_size: int = DEFAULT_INT4_GROUP_SIZE
+    # Pipeline parallelism: the layers of each stage, rank r being stage r; empty: the ranks
+    # split every layer (tensor parallelism).
+    pipeline_layers: tuple[int, ...] = ()
+    tied: bool = False  # the model's lm_head is its embeddings (a pipeline's last stage's)
+
+    def stage(self, parallel: TensorParallel) -> Stage | None:
+        """This rank's pipeline stage, if the model is split by layers."""
+        if not self.pipeline_layers:
+            return None
+        return Stage.of(parallel, self.pipeline_layers, self.tied)
+
+    def load(self, parallel: TensorParallel) -> tuple[Decoder, Tokenizer]:
+        """This rank's part of the model: its stage's, or its shard of every layer."""
+        stage = self.stage(parallel)
+        quantize = (self.quantize, self.quantize_group_size)
+        shard = None if stage is not None else parallel
+        return load_model(self.path, self.dtype, parallel.device, shard, *quantize, stage)
 
 
 @dataclass
@@ -107,6 +126,7 @@ class Group:
     store: dist.Store
     rendezvous: tuple[str, int]
     owner: str  # who started it, as a refusal of another group on its rendezvous names it
+    kind: str = "tensor parallel"  # or "pipeline parallel": how failures are named
     children: list[subprocess.Popen] = dataclasses.field(default_factory=list)
     failed: bool = False
 
@@ -120,7 +140,7 @@ class Group:
         after = [self.store.add(f"heartbeat/{r}", 0) for r in ranks]
         silent = [str(r) for r, b, a in zip(ranks, before, after, strict=True) if a == b]
         who = f"rank {', '.join(silent)} stopped responding" if silent else "a rank failed"
-        return f"tensor parallel: {who} ({type(exc).__name__}: {exc})"
+        return f"{self.kind}: {who} ({type(exc).__name__}: {exc})"
 
     def abort(self) -> None:
         """Ends the group after a failure (a build that failed part way, a failed step):
@@ -159,7 +179,12 @@ def _stopped(exc: BaseException) -> str:
 _live: list[Group] = []
 
 
-def start(size: int, launch: Launch, owner: str = "a group started directly") -> Group:
+def start(
+    size: int,
+    launch: Launch,
+    owner: str = "a group started directly",
+    kind: str = "tensor parallel",
+) -> Group:
     """A new group of `size` ranks, with this process as one of them. Off torchrun, spawns
     the other ranks of this host first. If the group cannot form, the ranks spawned for it
     are stopped before the error is raised. Refused while another group of this process
@@ -170,9 +195,7 @@ def start(size: int, launch: Launch, owner: str = "a group started directly") ->
         rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", 0))
         per_node = int(env.get("LOCAL_WORLD_SIZE", 1))
         if int(env["WORLD_SIZE"]) != size:
-            raise ValueError(
-                f"tensor parallel size {size}, but torchrun started {env['WORLD_SIZE']} ranks"
-            )
+            raise ValueError(f"{kind} size {size}, but torchrun started {env['WORLD_SIZE']} ranks")
         addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
         # torchrun's agent may already serve the rendezvous store on MASTER_PORT.
         store_host = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
@@ -200,6 +223,7 @@ def start(size: int, launch: Launch, owner: str = "a group started directly") ->
         _end_children(children, wait_s=0)
         raise
     group.children = children
+    group.kind = kind
     if rank == 0:
         group.parallel.diagnose = group.diagnose
     return group
@@ -302,10 +326,7 @@ def serve_worker(group: Group) -> int:
         while (message := parallel.broadcast()) is not None:
             if isinstance(message, LoadModel):
                 runner = None  # frees the old model's KV cache first
-                quantize = (message.quantize, message.quantize_group_size)
-                decoder, _ = load_model(
-                    message.path, message.dtype, parallel.device, parallel, *quantize
-                )
+                decoder, _ = message.load(parallel)
             elif isinstance(message, AllocateKV):
                 assert decoder is not None
                 runner = ModelRunner(
@@ -314,6 +335,9 @@ def serve_worker(group: Group) -> int:
                     message.block_size,
                     window_blocks=message.window_blocks,
                 )
+            elif isinstance(message, CopyBlocks):
+                assert runner is not None
+                runner.copy_blocks(message.pairs)
             else:
                 assert runner is not None
                 runner.run(message)
