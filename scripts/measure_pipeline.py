@@ -28,6 +28,7 @@ from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
 from gapless.model.checkpoint import load_model
 
+
 def staged_runner(path: str, dtype: str, blocks: int) -> ModelRunner:
     parallel = distributed.start(2, distributed.Launch(threads=1)).parallel
     load = what_ranks_load(path, EngineConfig(dtype=dtype, pipeline_parallel_size=2))
