@@ -104,7 +104,7 @@ def read_weights(
 
     weights: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
-    for name in filter(keep, expected):
+    for name in (n for n in expected if keep is None or keep(n)):
         by_file.setdefault(files[stored[name]], []).append(name)
     bar = tqdm(
         total=sum(map(len, by_file.values())), desc="loading weights", unit="tensor", delay=1.0
