@@ -8,6 +8,7 @@ worker): what rank 0 tells them to load (LoadModel.pipeline_layers) makes them s
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from test_tensor_parallel import (  # noqa: F401 - tp2 is a fixture
 from gapless import LLM, SamplingParams
 from gapless.bench.gguf_files import write_gguf
 from gapless.engine import distributed
-from gapless.engine.builder import what_ranks_load
+from gapless.engine.builder import kv_runner, what_ranks_load
 from gapless.engine.config import EngineConfig
 from gapless.engine.events import TokenEvent
 from gapless.engine.runner import ModelRunner
@@ -141,6 +142,27 @@ def test_each_stage_loads_and_holds_its_share_of_the_weights(checkpoint, tmp_pat
     assert (len(first.layers), len(last.layers)) == (4, 4)
     for stage in stages:
         assert abs(weight_bytes(stage) - whole / 2) < 0.05 * whole
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_kv_memory_is_each_stages_budget(checkpoint, arch):
+    # gemma3: its sliding and global layers, each a KV group, fall unevenly on the stages.
+    path, budget = checkpoint(arch), 2**20
+    config = EngineConfig(dtype="float32", kv_memory_gib=budget / 2**30, pipeline_parallel_size=2)
+    load = what_ranks_load(path, config)
+    stages = [load.load(TensorParallel(r, 2, None, None, "cpu"))[0] for r in range(2)]  # type: ignore[arg-type]
+    sized = kv_runner(stages[0], config)  # rank 0 sizes the cache every stage allocates
+    held = []
+    for decoder in stages:
+        runner = ModelRunner(decoder, sized.num_blocks, 16, window_blocks=sized.window_blocks)
+        held.append(sum(k.nbytes + v.nbytes for k, v in runner.kv_cache))
+    assert max(held) <= budget
+    whole = kv_runner(
+        load_model(path, "float32")[0], dataclasses.replace(config, pipeline_parallel_size=1)
+    )
+    if arch == "llama":  # one layer a stage: twice the tokens in each stage's budget
+        assert sized.num_blocks >= 2 * whole.num_blocks - 1
+    assert sized.num_blocks > whole.num_blocks
 
 
 def test_layers_split_by_their_bytes_unless_chosen(checkpoint):

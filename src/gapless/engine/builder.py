@@ -121,10 +121,17 @@ def kv_runner(
 ) -> ModelRunner:
     """A runner with the KV cache the config's budget affords: the layers grouped by window,
     each group's share of the budget by its bytes per token (kv/groups.py). The draft's pool
-    holds as many tokens as the target's first group: its bytes count with that group's."""
+    holds as many tokens as the target's first group: its bytes count with that group's.
+    Under pipeline parallelism the budget is each stage's, whose cache holds only its layers:
+    a group's bytes per token are those of the stage with the most of its layers."""
     mcfg, scheduling = decoder.config, config.scheduler
     groups = LayerGroups.of(mcfg.layer_windows)
-    per_token = groups.bytes_per_token(ModelRunner.kv_bytes_per_layer_token(decoder))
+    per_layer = ModelRunner.kv_bytes_per_layer_token(decoder)
+    per_token = groups.bytes_per_token(per_layer)
+    if decoder.stage is not None:
+        stages = decoder.stage.stages
+        most = [max(sum(layer in s for layer in g) for s in stages) for g in groups.layers]
+        per_token = [per_layer * n for n in most]
     if draft is not None:
         per_token[0] += ModelRunner.kv_bytes_per_token(draft)
     num_blocks, window_blocks = split_blocks(

@@ -40,19 +40,22 @@ LM_HEAD = "lm_head.weight"
 
 @dataclass
 class Stage:
-    """This rank's stage: its layers (of the whole model's) and the group's collectives, on
-    which rank r is stage r."""
+    """This rank's stage, and the group's collectives (TensorParallel's, whatever the split),
+    on which rank r is stage r."""
 
     ranks: TensorParallel
-    layers: range
+    stages: tuple[range, ...]  # every stage's layers, of the whole model's
     tied: bool  # lm_head is the embeddings: the last stage holds a copy of them
 
     @classmethod
     def of(cls, ranks: TensorParallel, counts: tuple[int, ...], tied: bool) -> Stage:
         """Rank `ranks.rank`'s stage, the stages holding `counts` layers each."""
         ends = list(accumulate(counts))
-        end = ends[ranks.rank]
-        return cls(ranks, range(end - counts[ranks.rank], end), tied)
+        return cls(ranks, tuple(range(e - n, e) for n, e in zip(counts, ends, strict=True)), tied)
+
+    @property
+    def layers(self) -> range:
+        return self.stages[self.ranks.rank]
 
     @property
     def first(self) -> bool:
