@@ -17,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from helpers import greedy
 from test_model import Seq, hf_model, prompt, run_chunks
+from test_speculation import check_speculation_ran, oracle  # noqa: F401 - a fixture
 from test_tensor_parallel import (  # noqa: F401 - tp2 is a fixture
     check_a_failed_rank_fails_the_server,
     tp2,
@@ -95,6 +96,27 @@ def test_every_choice_of_a_prompt_continues_it_on_every_stage(checkpoint):
                 if isinstance(event, TokenEvent):
                     got.setdefault(event.index, []).extend(event.token_ids)
     assert got == {0: expected, 1: expected, 2: expected}
+
+
+def test_prefix_cache_speculation_and_embeddings_run_as_on_one_rank(
+    checkpoint,
+    oracle,  # noqa: F811
+):
+    # The oracle proposes the expected tokens, every other proposal's last one wrong: the
+    # steps verify runs of proposals, accepting some and rejecting others.
+    path, ids = checkpoint("llama"), prompt(70, seed=2)
+    one = LLM(path, dtype="float32", prefill_chunk=16, speculate="none")
+    expected = one.generate([ids], greedy(24))[0].token_ids
+    vectors = one.embed([ids[:40], ids[:9]], pooling="mean")
+    oracle[tuple(ids)] = expected
+    with LLM(path, dtype="float32", prefill_chunk=16, pipeline_parallel_size=2) as llm:
+        first = llm.generate([ids], greedy(24))[0]
+        again = llm.generate([ids], greedy(24))[0]  # its full blocks from the prefix cache
+        got = llm.embed([ids[:40], ids[:9]], pooling="mean")
+        check_speculation_ran(llm.engine)
+    assert first.token_ids == again.token_ids == expected
+    assert again.cached_prompt_tokens == 64
+    assert torch.allclose(torch.tensor(got), torch.tensor(vectors), atol=1e-5)
 
 
 def test_gguf_stages_give_one_ranks_logits(checkpoint, tp2, tmp_path):  # noqa: F811
