@@ -1,6 +1,6 @@
 """Pipeline parallelism: two stages compute what one rank computes (and what transformers
-computes), each loading and holding about half the weights, and a stage that dies fails the
-server cleanly.
+computes; also with each stage split over two tensor-parallel ranks), each loading and holding
+about half the weights, and a stage that dies fails the server cleanly.
 
 The in-process checks run on test_tensor_parallel's group of two ranks (this process and one
 worker): what rank 0 tells them to load (LoadModel.pipeline_layers) makes them stages.
@@ -60,9 +60,19 @@ def test_two_stages_give_one_ranks_logits_however_chunked(checkpoint, tp2, arch)
     assert (one - two).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("chunk", [7, None], ids=["7-token-chunks", "unchunked"])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_prompt_logprobs_and_greedy_tokens_match_transformers(checkpoint, arch, chunk):
+# (arch, prompt tokens per chunk or None: unchunked, ranks per stage). qwen2 x 2: each stage
+# split by tensor parallelism too (4 ranks), its tied lm_head cut from the last stage's copy.
+@pytest.mark.parametrize(
+    "arch, chunk, tp",
+    [
+        ("llama", 7, 1),
+        ("llama", None, 1),
+        ("gemma3", 7, 1),
+        ("gemma3", None, 1),
+        ("qwen2", 7, 2),
+    ],
+)
+def test_prompt_logprobs_and_greedy_tokens_match_transformers(checkpoint, arch, chunk, tp):
     path, ids = checkpoint(arch), prompt(60, seed=5)
     hf = hf_model(path)
     with torch.no_grad():
@@ -71,7 +81,8 @@ def test_prompt_logprobs_and_greedy_tokens_match_transformers(checkpoint, arch, 
             torch.tensor([ids[:30]]), max_new_tokens=30, min_new_tokens=30, do_sample=False
         )[0, 30:].tolist()
     chunking = {"prefill_chunk": chunk} if chunk else {"chunked_prefill": False}
-    with LLM(path, dtype="float32", pipeline_parallel_size=2, **chunking) as llm:
+    split = {"pipeline_parallel_size": 2, "tensor_parallel_size": tp}
+    with LLM(path, dtype="float32", **split, **chunking) as llm:
         params = SamplingParams(max_tokens=1, prompt_logprobs=1, ignore_eos=True)
         out = llm.generate([ids], params)[0]
         greedy_out = llm.generate([ids[:30]], GREEDY)[0].token_ids
@@ -203,8 +214,6 @@ def test_layers_split_by_their_bytes_unless_chosen(checkpoint):
 
 
 def test_what_pipeline_parallelism_refuses_is_named():
-    with pytest.raises(ValueError, match="do not combine"):
-        EngineConfig(pipeline_parallel_size=2, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="draft model"):
         EngineConfig(pipeline_parallel_size=2, speculate="draft", draft_model="x")
     with pytest.raises(ValueError, match="needs --pipeline-parallel-size"):

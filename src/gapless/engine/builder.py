@@ -51,7 +51,11 @@ def build(
     load = what_ranks_load(path, config)  # its checks spawn nothing
     owns_group = group is None
     if group is None:
-        launch = distributed.Launch(threads=config.num_threads, device=config.device)
+        launch = distributed.Launch(
+            threads=config.num_threads,
+            device=config.device,
+            stage_size=config.tensor_parallel_size,
+        )
         owner = f"the engine of {path}"
         group = distributed.start(config.world_size, launch, owner, group_kind(config))
     parallel = group.parallel
@@ -78,12 +82,11 @@ def what_ranks_load(path: str | Path, config: EngineConfig) -> distributed.LoadM
     cfg = read_model_config(path)
     quantize = (config.quantize, config.quantize_group_size)
     load = distributed.LoadModel(str(path), config.dtype, *quantize)
+    check_shardable(cfg, config.tensor_parallel_size)
     if config.pipeline_parallel_size > 1:
         stages, chosen = config.pipeline_parallel_size, config.pipeline_layers
         load.pipeline_layers = layer_counts(path, cfg, stages, chosen)
         load.tied = cfg.tie_word_embeddings
-    else:
-        check_shardable(cfg, config.tensor_parallel_size)
     return load
 
 

@@ -102,8 +102,9 @@ class EngineConfig:
     )
     pipeline_parallel_size: int = option(
         1,
-        "split the model's layers into N stages, one rank (process) each, on this host or "
-        "--nnodes hosts; each rank loads and holds only its stage's weights and KV",
+        "split the model's layers into N stages, one rank (process) each, or "
+        "--tensor-parallel-size ranks each, on this host or --nnodes hosts; a stage's ranks "
+        "load and hold only its weights and KV",
         positive=True,
         metavar="N",
         section=distributed.TENSOR_PARALLELISM,
@@ -167,11 +168,6 @@ class EngineConfig:
             raise ValueError("--speculate draft and --draft-model go together")
         if self.draft_model is not None and self.world_size > 1:
             raise ValueError("a draft model runs without tensor or pipeline parallelism")
-        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "pipeline and tensor parallelism do not combine yet: choose"
-                " --pipeline-parallel-size or --tensor-parallel-size"
-            )
         if self.pipeline_layers is not None and self.pipeline_parallel_size == 1:
             raise ValueError("--pipeline-layers needs --pipeline-parallel-size 2 or more")
 

@@ -75,6 +75,8 @@ class Launch:
     # The engine's num_threads and device (EngineConfig), for the ranks this launch spawns.
     threads: int | None = None  # torch threads per rank; default: the host's cores / its ranks
     device: str = "auto"
+    # With pipeline parallelism, the ranks of each stage (its tensor-parallel size).
+    stage_size: int = 1
 
     def __post_init__(self) -> None:
         check(self)
@@ -93,17 +95,14 @@ class LoadModel:
     pipeline_layers: tuple[int, ...] = ()
     tied: bool = False  # the model's lm_head is its embeddings (a pipeline's last stage's)
 
-    def stage(self, parallel: TensorParallel) -> Stage | None:
-        """This rank's pipeline stage, if the model is split by layers."""
-        if not self.pipeline_layers:
-            return None
-        return Stage.of(parallel, self.pipeline_layers, self.tied)
-
     def load(self, parallel: TensorParallel) -> tuple[Decoder, Tokenizer]:
-        """This rank's part of the model: its stage's, or its shard of every layer."""
-        stage = self.stage(parallel)
+        """This rank's part of the model: its stage's (its shard of them, where the stage
+        is split too), or its shard of every layer."""
+        stage, shard = None, parallel
+        if self.pipeline_layers:
+            stage = Stage.of(parallel, self.pipeline_layers, self.tied)
+            shard = parallel.within_stage
         quantize = (self.quantize, self.quantize_group_size)
-        shard = None if stage is not None else parallel
         return load_model(self.path, self.dtype, parallel.device, shard, *quantize, stage)
 
 
@@ -258,6 +257,17 @@ def _join(
     control = _collectives("gloo", store, "control", rank, size, control_timeout)
     log.info("rank %d of %d on %s joined %s:%d", rank, size, device, addr, port)
     parallel = TensorParallel(rank, size, steps, control, device)
+    if 1 < launch.stage_size < size:  # each stage's own collectives for its layers
+        t, stage = rank % launch.stage_size, rank // launch.stage_size
+        within = _collectives(
+            collective_backend(device),
+            store,
+            f"stage{stage}",
+            t,
+            launch.stage_size,
+            collective_timeout,
+        )
+        parallel.within_stage = TensorParallel(t, launch.stage_size, within, control, device)
     group = Group(parallel, store, (addr, port), owner)
     _live.append(group)
     return group

@@ -242,7 +242,7 @@ class Decoder:
             stage.send_result(logits, batch.hidden)
             return logits
         stage.send_hidden(x)
-        if stage.first:
+        if stage.ranks.rank == 0:
             return stage.receive_result(batch, cfg.vocab_size, cfg.hidden_size)
         return x.new_empty(0, cfg.vocab_size)
 

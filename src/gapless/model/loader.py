@@ -168,8 +168,9 @@ def build_decoder(
     if hasattr(family, "split_fused"):
         w = family.split_fused(build_cfg, w)
     if parallel is not None:
-        w = shard_weights(cfg, w, parallel.rank, parallel.size, kernels.dtype)
-        cfg = build_cfg = shard_config(cfg, parallel.size)
+        head = stage is None or stage.last
+        w = shard_weights(cfg, w, parallel.rank, parallel.size, kernels.dtype, head)
+        cfg, build_cfg = shard_config(cfg, parallel.size), shard_config(build_cfg, parallel.size)
     weights = Weights(w, kernels, quantize)
     body = family.build(build_cfg, weights)
     embed = w.pop("model.embed_tokens.weight", None)

@@ -46,24 +46,31 @@ class Stage:
     ranks: TensorParallel
     stages: tuple[range, ...]  # every stage's layers, of the whole model's
     tied: bool  # lm_head is the embeddings: the last stage holds a copy of them
+    # Ranks per stage, each holding a tensor-parallel shard of the stage (ranks.within_stage).
+    width: int = 1
 
     @classmethod
     def of(cls, ranks: TensorParallel, counts: tuple[int, ...], tied: bool) -> Stage:
         """Rank `ranks.rank`'s stage, the stages holding `counts` layers each."""
         ends = list(accumulate(counts))
-        return cls(ranks, tuple(range(e - n, e) for n, e in zip(counts, ends, strict=True)), tied)
+        stages = tuple(range(e - n, e) for n, e in zip(counts, ends, strict=True))
+        return cls(ranks, stages, tied, ranks.size // len(counts))
+
+    @property
+    def index(self) -> int:
+        return self.ranks.rank // self.width
 
     @property
     def layers(self) -> range:
-        return self.stages[self.ranks.rank]
+        return self.stages[self.index]
 
     @property
     def first(self) -> bool:
-        return self.ranks.rank == 0
+        return self.index == 0
 
     @property
     def last(self) -> bool:
-        return self.ranks.rank == self.ranks.size - 1
+        return self.index == len(self.stages) - 1
 
     def keeps(self, name: str) -> bool:
         """Whether this stage loads the tensor of this Hugging Face name. Every stage keeps
@@ -99,15 +106,19 @@ class Stage:
     # -- a step's traffic -----------------------------------------------------------------
 
     def receive_hidden(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """From the same shard's rank of the stage before."""
         x = torch.empty(rows, width, dtype=dtype, device=self.ranks.device)
-        self.ranks.steps.recv([x], self.ranks.rank - 1, 0).wait()
+        self.ranks.steps.recv([x], self.ranks.rank - self.width, 0).wait()
         return x
 
     def send_hidden(self, x: torch.Tensor) -> None:
-        self.ranks.steps.send([x.contiguous()], self.ranks.rank + 1, 0).wait()
+        self.ranks.steps.send([x.contiguous()], self.ranks.rank + self.width, 0).wait()
 
     def send_result(self, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        """The last stage's logits, and hidden rows if any, to rank 0."""
+        """The last stage's logits, and hidden rows if any, to rank 0, from the stage's first
+        rank (which gathered the logits of a split stage)."""
+        if self.ranks.rank % self.width:
+            return
         for t in (logits, hidden):
             if t is not None:
                 self.ranks.steps.send([t.contiguous()], 0, 1).wait()
@@ -115,7 +126,7 @@ class Stage:
     def receive_result(self, batch: BatchInput, vocab: int, width: int) -> torch.Tensor:
         """Rank 0: the logits of the batch's logit rows from the last stage; sets
         batch.hidden when it has hidden rows."""
-        last, device = self.ranks.size - 1, self.ranks.device
+        last, device = self.ranks.size - self.width, self.ranks.device
         logits = torch.empty(len(batch.logit_rows), vocab, device=device)
         self.ranks.steps.recv([logits], last, 1).wait()
         if batch.hidden_rows is not None:

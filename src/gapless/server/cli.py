@@ -105,7 +105,12 @@ def _serve(args: argparse.Namespace) -> int:
         # Before the model loads: a bad key file stops the start at once, naming what is wrong.
         tenants = Tenants(settings.api_keys) if settings.api_keys is not None else None
         config = engine_config(args)
-        launch = Launch(**_chosen(args, Launch), threads=config.num_threads, device=config.device)
+        launch = Launch(
+            **_chosen(args, Launch),
+            threads=config.num_threads,
+            device=config.device,
+            stage_size=config.tensor_parallel_size,
+        )
         if config.world_size > 1:
             # Before any rank starts: the common misfit spawns nothing.
             what_ranks_load(model_dir, config)
