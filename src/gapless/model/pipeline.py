@@ -6,7 +6,9 @@ only. A stage loads only its own tensors from the file. In a step, every rank bu
 batch from rank 0's broadcast inputs (engine/runner.py); then each stage receives the hidden
 states of the step's tokens from the one before it, runs its layers and sends them on, and the
 last stage sends the logits (and the hidden rows an embedding asks for) back to rank 0. All
-of it on the group's step collectives (send and recv), under the collective timeout.
+of it on the group's step collectives (send and recv), under the collective timeout. With
+tensor parallelism too, each stage is `width` ranks that shard its layers (parallel.py), and
+each sends to the same shard's rank of the next stage.
 """
 
 from __future__ import annotations
