@@ -142,10 +142,16 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
 def test_a_failed_rank_ends_streams_with_an_error_then_503_then_exit(checkpoint, fault):
-    path = checkpoint("llama")
+    check_a_failed_rank_fails_the_server(checkpoint("llama"), fault, "--tensor-parallel-size")
+
+
+def check_a_failed_rank_fails_the_server(path: Path, fault: int, split_flag: str) -> None:
+    """Two ranks split as split_flag says (tensor or pipeline); rank 1 gets `fault`
+    mid-stream: the stream ends with an error naming it, new requests get 503, and the
+    server exits 1, leaving no rank."""
     expected = LLM(path, dtype="float32").generate([prompt(12)], GREEDY)[0].text
     timeout = 5
-    server = _serve(path, "--tensor-parallel-size", "2", "--collective-timeout", str(timeout))
+    server = _serve(path, split_flag, "2", "--collective-timeout", str(timeout))
     workers: list[int] = []
     try:
         port = server.wait_for_line(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")[1]
@@ -169,6 +175,7 @@ def test_a_failed_rank_ends_streams_with_an_error_then_503_then_exit(checkpoint,
         assert server.proc.wait(timeout=timeout + 10) == 1
         assert time.monotonic() - failed < timeout + 8
         assert "rank 1 stopped responding" in server.rest_of_log()
+        assert not Path(f"/proc/{worker}").exists()  # ended and reaped: no rank is left
     finally:
         for pid in (server.proc.pid, *workers):
             with contextlib.suppress(ProcessLookupError):
@@ -216,7 +223,8 @@ def _remove(namespaces: tuple[str, ...]) -> None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def test_two_hosts_serve_one_ranks_tokens_and_stop_together(checkpoint, tmp_path):
+@pytest.mark.parametrize("split_flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_two_hosts_serve_one_ranks_tokens_and_stop_together(checkpoint, tmp_path, split_flag):
     path = checkpoint("qwen2")
     ids = prompt(12)
     expected = LLM(path, dtype="float32").generate([ids], GREEDY)[0].text
@@ -231,7 +239,7 @@ def test_two_hosts_serve_one_ranks_tokens_and_stop_together(checkpoint, tmp_path
         for node, ns in enumerate(NAMESPACES):
             cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "gapless.cli", "serve"]
             cmd += [str(path), "--dtype", "float32", "--device", "cpu", "--threads", "1"]
-            cmd += ["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(node)]
+            cmd += [split_flag, "2", "--nnodes", "2", "--node-rank", str(node)]
             cmd += ["--master-addr", ADDRESSES[0], "--master-port", "29531"]
             cmd += ["--port", str(port), "--log-level", "warning"]
             # gloo picks its interface by the host's name, which means nothing in here.

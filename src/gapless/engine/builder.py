@@ -21,6 +21,7 @@ from gapless.kv.groups import LayerGroups, split_blocks
 from gapless.model.checkpoint import load_model, read_model_config
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import check_shardable
+from gapless.model.pipeline import layer_counts
 from gapless.model.tokenizer import Tokenizer
 from gapless.model.vision import VisionLanguageModel, is_vision_language, load_vision_language
 
@@ -40,27 +41,29 @@ class Parts:
 def build(
     path: str | Path, config: EngineConfig, group: distributed.Group | None = None
 ) -> tuple[Parts, Callable[[], object] | None]:
-    """The parts of a checkpoint's engine, and what ends the tensor-parallel group this call
-    formed, if it formed one. With tensor_parallel_size > 1 this process is rank 0 of
+    """The parts of a checkpoint's engine, and what ends the tensor- or pipeline-parallel
+    group this call formed, if it formed one. With several ranks this process is rank 0 of
     `group` (gapless serve forms it first), or of a group this call forms on this host
-    (spawning its other ranks), and every rank loads its shard. A group this call forms is
-    this engine's alone. A build that fails ends the group before the error is raised, so a
-    later build in this process starts afresh."""
-    if config.tensor_parallel_size == 1:
+    (spawning its other ranks), and every rank loads its shard or stage. A group this call
+    forms is this engine's alone. A build that fails ends the group before the error is
+    raised, so a later build in this process starts afresh."""
+    if config.world_size == 1:
         prepare_process(config.num_threads)
         return _build_local(path, config), None
-    if is_vision_language(path):
-        raise ValueError("tensor parallelism is not supported for vision-language models")
-    check_shardable(read_model_config(path), config.tensor_parallel_size)  # spawns nothing
+    load = what_ranks_load(path, config)  # its checks spawn nothing
     owns_group = group is None
     if group is None:
-        launch = distributed.Launch(threads=config.num_threads, device=config.device)
-        group = distributed.start(config.tensor_parallel_size, launch, f"the engine of {path}")
+        launch = distributed.Launch(
+            threads=config.num_threads,
+            device=config.device,
+            stage_size=config.tensor_parallel_size,
+        )
+        owner = f"the engine of {path}"
+        group = distributed.start(config.world_size, launch, owner, group_kind(config))
     parallel = group.parallel
-    quantize = (config.quantize, config.quantize_group_size)
     try:
-        parallel.broadcast(distributed.LoadModel(str(path), config.dtype, *quantize))
-        decoder, tokenizer = load_model(path, config.dtype, parallel.device, parallel, *quantize)
+        parallel.broadcast(load)
+        decoder, tokenizer = load.load(parallel)
         runner = kv_runner(decoder, config)
         parallel.broadcast(
             distributed.AllocateKV(
@@ -71,6 +74,28 @@ def build(
         group.abort()
         raise
     return Parts(decoder, tokenizer, config, runner), group.stop if owns_group else None
+
+
+def what_ranks_load(path: str | Path, config: EngineConfig) -> distributed.LoadModel:
+    """What rank 0 tells every rank to load: the model, and with pipeline parallelism where
+    its stages cut the layers. Raises ShardError where the model does not split as asked,
+    before any rank starts."""
+    kind = group_kind(config)
+    if is_vision_language(path):
+        raise ValueError(f"{kind}ism is not supported for vision-language models")
+    cfg = read_model_config(path)
+    quantize = (config.quantize, config.quantize_group_size)
+    load = distributed.LoadModel(str(path), config.dtype, *quantize)
+    check_shardable(cfg, config.tensor_parallel_size)
+    if config.pipeline_parallel_size > 1:
+        stages, chosen = config.pipeline_parallel_size, config.pipeline_layers
+        load.pipeline_layers = layer_counts(path, cfg, stages, chosen)
+        load.tied = cfg.tie_word_embeddings
+    return load
+
+
+def group_kind(config: EngineConfig) -> str:
+    return "pipeline parallel" if config.pipeline_parallel_size > 1 else "tensor parallel"
 
 
 def _build_local(path: str | Path, config: EngineConfig) -> Parts:
@@ -103,11 +128,18 @@ def kv_runner(
 ) -> ModelRunner:
     """A runner with the KV cache the config's budget affords: the layers grouped by window,
     each group's share of the budget by its bytes per token (kv/groups.py). The draft's pool
-    holds as many tokens as the target's first group: its bytes count with that group's."""
+    holds as many tokens as the target's first group: its bytes count with that group's.
+    Under pipeline parallelism the budget is each stage's, whose cache holds only its layers:
+    a group's bytes per token are those of the stage with the most of its layers."""
     mcfg, scheduling = decoder.config, config.scheduler
     groups = LayerGroups.of(mcfg.layer_windows)
     cache_dtype = kv_cache_dtype(decoder, config)
-    per_token = groups.bytes_per_token(ModelRunner.kv_bytes_per_layer_token(decoder, cache_dtype))
+    per_layer = ModelRunner.kv_bytes_per_layer_token(decoder, cache_dtype)
+    per_token = groups.bytes_per_token(per_layer)
+    if decoder.stage is not None:
+        stages = decoder.stage.stages
+        most = [max(sum(layer in s for layer in g) for s in stages) for g in groups.layers]
+        per_token = [per_layer * n for n in most]
     if draft is not None:
         per_token[0] += ModelRunner.kv_bytes_per_token(draft, kv_cache_dtype(draft, config))
     num_blocks, window_blocks = split_blocks(

@@ -107,6 +107,22 @@ class EngineConfig:
         metavar="N",
         section=distributed.TENSOR_PARALLELISM,
     )
+    pipeline_parallel_size: int = option(
+        1,
+        "split the model's layers into N stages, one rank (process) each, or "
+        "--tensor-parallel-size ranks each, on this host or --nnodes hosts; a stage's ranks "
+        "load and hold only its weights and KV",
+        positive=True,
+        metavar="N",
+        section=distributed.TENSOR_PARALLELISM,
+    )
+    pipeline_layers: str | None = option(
+        None,
+        "layers per pipeline stage, e.g. 10,14 (default: the layers split by their bytes, "
+        "the embeddings counted to the first stage, lm_head to the last)",
+        metavar="N,N,...",
+        section=distributed.TENSOR_PARALLELISM,
+    )
     pooling: str = option(
         "last",
         "how an embedding pools the final hidden states: the last token's (as decoder "
@@ -157,8 +173,15 @@ class EngineConfig:
         self.latency_targets()  # raises on a malformed --class-*-ms
         if (self.speculate == "draft") != (self.draft_model is not None):
             raise ValueError("--speculate draft and --draft-model go together")
-        if self.draft_model is not None and self.tensor_parallel_size > 1:
-            raise ValueError("a draft model runs without tensor parallelism")
+        if self.draft_model is not None and self.world_size > 1:
+            raise ValueError("a draft model runs without tensor or pipeline parallelism")
+        if self.pipeline_layers is not None and self.pipeline_parallel_size == 1:
+            raise ValueError("--pipeline-layers needs --pipeline-parallel-size 2 or more")
+
+    @property
+    def world_size(self) -> int:
+        """The ranks (processes) the engine runs on."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def latency_targets(self) -> tuple[dict[str, float], dict[str, float]]:
         """The TTFT and ITL targets by service class, in seconds; a class without one is

@@ -31,14 +31,16 @@ import torch.distributed as dist
 
 from gapless.device import collective_backend, prepare_process, rank_device
 from gapless.engine.options import check, option
-from gapless.engine.runner import ModelRunner
+from gapless.engine.runner import CopyBlocks, ModelRunner
 from gapless.model.checkpoint import load_model
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import TensorParallel
+from gapless.model.pipeline import Stage
 from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE
 
 if TYPE_CHECKING:
     from gapless.model.parallel import Collectives
+    from gapless.model.tokenizer import Tokenizer
 
 log = logging.getLogger("gapless.distributed")
 
@@ -48,7 +50,7 @@ IDLE_TIMEOUT = timedelta(days=365)  # workers wait this long for rank 0's next s
 HEARTBEAT_S = 0.5
 
 
-TENSOR_PARALLELISM = "tensor parallelism (see docs/distributed.md)"
+TENSOR_PARALLELISM = "tensor and pipeline parallelism (see docs/distributed.md)"
 
 
 @dataclass
@@ -74,6 +76,8 @@ class Launch:
     # The engine's num_threads and device (EngineConfig), for the ranks this launch spawns.
     threads: int | None = None  # torch threads per rank; default: the host's cores / its ranks
     device: str = "auto"
+    # With pipeline parallelism, the ranks of each stage (its tensor-parallel size).
+    stage_size: int = 1
 
     def __post_init__(self) -> None:
         check(self)
@@ -87,6 +91,20 @@ class LoadModel:
     dtype: str
     quantize: str | None = None
     quantize_group_size: int = DEFAULT_INT4_GROUP_SIZE
+    # Pipeline parallelism: the layers of each stage, rank r being stage r; empty: the ranks
+    # split every layer (tensor parallelism).
+    pipeline_layers: tuple[int, ...] = ()
+    tied: bool = False  # the model's lm_head is its embeddings (a pipeline's last stage's)
+
+    def load(self, parallel: TensorParallel) -> tuple[Decoder, Tokenizer]:
+        """This rank's part of the model: its stage's (its shard of them, where the stage
+        is split too), or its shard of every layer."""
+        stage, shard = None, parallel
+        if self.pipeline_layers:
+            stage = Stage.of(parallel, self.pipeline_layers, self.tied)
+            shard = parallel.within_stage
+        quantize = (self.quantize, self.quantize_group_size)
+        return load_model(self.path, self.dtype, parallel.device, shard, *quantize, stage)
 
 
 @dataclass
@@ -109,6 +127,7 @@ class Group:
     store: dist.Store
     rendezvous: tuple[str, int]
     owner: str  # who started it, as a refusal of another group on its rendezvous names it
+    kind: str = "tensor parallel"  # or "pipeline parallel": how failures are named
     children: list[subprocess.Popen] = dataclasses.field(default_factory=list)
     failed: bool = False
 
@@ -122,7 +141,7 @@ class Group:
         after = [self.store.add(f"heartbeat/{r}", 0) for r in ranks]
         silent = [str(r) for r, b, a in zip(ranks, before, after, strict=True) if a == b]
         who = f"rank {', '.join(silent)} stopped responding" if silent else "a rank failed"
-        return f"tensor parallel: {who} ({type(exc).__name__}: {exc})"
+        return f"{self.kind}: {who} ({type(exc).__name__}: {exc})"
 
     def abort(self) -> None:
         """Ends the group after a failure (a build that failed part way, a failed step):
@@ -161,7 +180,12 @@ def _stopped(exc: BaseException) -> str:
 _live: list[Group] = []
 
 
-def start(size: int, launch: Launch, owner: str = "a group started directly") -> Group:
+def start(
+    size: int,
+    launch: Launch,
+    owner: str = "a group started directly",
+    kind: str = "tensor parallel",
+) -> Group:
     """A new group of `size` ranks, with this process as one of them. Off torchrun, spawns
     the other ranks of this host first. If the group cannot form, the ranks spawned for it
     are stopped before the error is raised. Refused while another group of this process
@@ -172,9 +196,7 @@ def start(size: int, launch: Launch, owner: str = "a group started directly") ->
         rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", 0))
         per_node = int(env.get("LOCAL_WORLD_SIZE", 1))
         if int(env["WORLD_SIZE"]) != size:
-            raise ValueError(
-                f"tensor parallel size {size}, but torchrun started {env['WORLD_SIZE']} ranks"
-            )
+            raise ValueError(f"{kind} size {size}, but torchrun started {env['WORLD_SIZE']} ranks")
         addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
         # torchrun's agent may already serve the rendezvous store on MASTER_PORT.
         store_host = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
@@ -202,6 +224,7 @@ def start(size: int, launch: Launch, owner: str = "a group started directly") ->
         _end_children(children, wait_s=0)
         raise
     group.children = children
+    group.kind = kind
     if rank == 0:
         group.parallel.diagnose = group.diagnose
     return group
@@ -236,6 +259,17 @@ def _join(
     control = _collectives("gloo", store, "control", rank, size, control_timeout)
     log.info("rank %d of %d on %s joined %s:%d", rank, size, device, addr, port)
     parallel = TensorParallel(rank, size, steps, control, device)
+    if 1 < launch.stage_size < size:  # each stage's own collectives for its layers
+        t, stage = rank % launch.stage_size, rank // launch.stage_size
+        within = _collectives(
+            collective_backend(device),
+            store,
+            f"stage{stage}",
+            t,
+            launch.stage_size,
+            collective_timeout,
+        )
+        parallel.within_stage = TensorParallel(t, launch.stage_size, within, control, device)
     group = Group(parallel, store, (addr, port), owner)
     _live.append(group)
     return group
@@ -304,10 +338,7 @@ def serve_worker(group: Group) -> int:
         while (message := parallel.broadcast()) is not None:
             if isinstance(message, LoadModel):
                 runner = None  # frees the old model's KV cache first
-                quantize = (message.quantize, message.quantize_group_size)
-                decoder, _ = load_model(
-                    message.path, message.dtype, parallel.device, parallel, *quantize
-                )
+                decoder, _ = message.load(parallel)
             elif isinstance(message, AllocateKV):
                 assert decoder is not None
                 runner = ModelRunner(
@@ -317,6 +348,9 @@ def serve_worker(group: Group) -> int:
                     window_blocks=message.window_blocks,
                     kv_cache_dtype=message.kv_cache_dtype,
                 )
+            elif isinstance(message, CopyBlocks):
+                assert runner is not None
+                runner.copy_blocks(message.pairs)
             else:
                 assert runner is not None
                 runner.run(message)

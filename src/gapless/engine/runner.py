@@ -58,6 +58,13 @@ class ChunkInput:
         return 1 if self.hidden == "last" else len(self.token_ids)
 
 
+@dataclass
+class CopyBlocks:
+    """Rank 0's message to the other ranks: copy these blocks (ModelRunner.copy_blocks)."""
+
+    pairs: list[list[tuple[int, int]]]
+
+
 class ModelRunner:
     # A runner that cannot prefill in chunks sets this False; the engine then prefills every
     # prompt whole.
@@ -104,11 +111,14 @@ class ModelRunner:
         ]
         self._kv_memory: list[mmap.mmap] = []  # the CPU cache's pages (see _zeroed)
         caches = {}
+        own = decoder.layer_ids  # a pipeline stage keeps its own layers' K/V only
         for blocks, layers in zip((num_blocks, *window_blocks), self.groups.layers, strict=True):
             row = kv_cache_row(cfg.head_dim, self.kv_cache_dtype)
             shape = (blocks, block_size, cfg.num_kv_heads, row)
-            caches |= {layer: (self._zeroed(shape), self._zeroed(shape)) for layer in layers}
-        self.kv_cache = [caches[layer] for layer in range(cfg.num_layers)]
+            for layer in filter(own.__contains__, layers):
+                caches[layer] = (self._zeroed(shape), self._zeroed(shape))
+        self.layer_caches = caches  # by the whole model's layer number
+        self.kv_cache = [caches[layer] for layer in own]
         layout = self.layouts[0]
         decodes = (
             "our paged kernel"
@@ -173,14 +183,21 @@ class ModelRunner:
             values.zero_()
 
     def copy_blocks(self, pairs: list[list[tuple[int, int]]]) -> None:
-        """Copies the K/V of block src into block dst, for each (src, dst) of each KV group."""
+        """Copies the K/V of block src into block dst, for each (src, dst) of each KV group;
+        on every rank, each in its own cache, when rank 0 asks."""
+        ranks = self.decoder.ranks
+        if ranks is not None and ranks.rank == 0 and any(pairs):
+            try:
+                ranks.broadcast(CopyBlocks(pairs))
+            except Exception as exc:
+                raise RankFailed(ranks.diagnose(exc)) from exc
         for group_pairs, layers in zip(pairs, self.groups.layers, strict=False):
             if not group_pairs:
                 continue
             dev = self.decoder.device
             src, dst = (torch.tensor(p, device=dev) for p in zip(*group_pairs, strict=True))
-            for layer in layers:
-                keys, values = self.kv_cache[layer]
+            for layer in filter(self.layer_caches.__contains__, layers):
+                keys, values = self.layer_caches[layer]
                 keys[dst] = keys[src]
                 values[dst] = values[src]
 
@@ -214,10 +231,10 @@ class ModelRunner:
 
     def run(self, inputs: list[ChunkInput]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward over the inputs' rows: the logits of their logit rows, and the hidden
-        states of their hidden rows (None if none has any). Under tensor parallelism, rank 0
-        first sends them to the other ranks, which call this with them; then any failure is
-        a rank's."""
-        parallel = self.decoder.parallel
+        states of their hidden rows (None if none has any). Under tensor or pipeline
+        parallelism, rank 0 first sends them to the other ranks, which call this with them;
+        then any failure is a rank's."""
+        parallel = self.decoder.ranks
         try:
             if parallel is not None and parallel.rank == 0:
                 parallel.broadcast(inputs)

@@ -13,6 +13,7 @@ from gapless.model.families import read_config_json
 from gapless.model.gguf import is_gguf, load_gguf, read_gguf_config
 from gapless.model.loader import load_decoder
 from gapless.model.parallel import TensorParallel
+from gapless.model.pipeline import Stage
 from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE
 from gapless.model.tokenizer import Tokenizer
 
@@ -24,13 +25,15 @@ def load_model(
     parallel: TensorParallel | None = None,
     quantize: str | None = None,
     group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    stage: Stage | None = None,
 ) -> tuple[Decoder, Tokenizer]:
-    """The decoder (this rank's shard of it, with `parallel`) and the tokenizer; quantize as
-    load_decoder's."""
+    """The decoder (this rank's shard of it, with `parallel`; this pipeline stage's part of
+    it, with `stage`) and the tokenizer; quantize as load_decoder's."""
+    args = (dtype, device, parallel, quantize, group_size, stage)
     if is_gguf(path):
-        decoder, tokenizer = load_gguf(path, dtype, device, parallel, quantize, group_size)
+        decoder, tokenizer = load_gguf(path, *args)
     else:
-        decoder = load_decoder(path, dtype, device, parallel, quantize, group_size)
+        decoder = load_decoder(path, *args)
         tokenizer = Tokenizer.from_pretrained(path)
     release_freed_memory()
     return decoder, tokenizer

@@ -25,6 +25,7 @@ from gapless.kernels.step_ops import apply_rope as apply_rope  # the families' s
 from gapless.kernels.step_ops import rms_norm, write_kv
 from gapless.model.config import ModelConfig
 from gapless.model.parallel import TensorParallel
+from gapless.model.pipeline import Stage
 
 
 @dataclass
@@ -178,17 +179,20 @@ class Decoder:
     def __init__(
         self,
         config: ModelConfig,
-        embed: torch.Tensor | BlockQuant,
+        embed: torch.Tensor | BlockQuant | None,
         layers: list[Layer],
         final_norm: Callable[[torch.Tensor], torch.Tensor],
-        lm_head: Linear,
+        lm_head: Linear | None,
         kernels: Kernels,
         parallel: TensorParallel | None = None,
         embed_scale: float | None = None,
         logit_softcap: float | None = None,
+        stage: Stage | None = None,
     ) -> None:
         """embed_scale: a factor on the embeddings, in their dtype (Gemma's sqrt(hidden));
-        logit_softcap: logits become cap * tanh(logits / cap) (Gemma 2)."""
+        logit_softcap: logits become cap * tanh(logits / cap) (Gemma 2). stage: the pipeline
+        stage this decoder is (layers: its own; embed only on the first, lm_head only on the
+        last); config stays the whole model's."""
         self.config = config
         self.kernels = kernels
         head = getattr(lm_head, "weight", None)
@@ -211,12 +215,39 @@ class Decoder:
         # vocabulary slices of the logits.
         self.all_reduce = parallel.all_reduce if parallel else _unchanged
         self.gather_vocab = parallel.gather_vocab if parallel else _unchanged
+        self.stage = stage
+        # The whole model's numbers of the layers held here.
+        self.layer_ids = stage.layers if stage else range(config.num_layers)
+        # The group's ranks, whatever the split: rank 0 broadcasts each step's inputs on them.
+        self.ranks = stage.ranks if stage else parallel
 
     @torch.inference_mode()
     def forward(self, batch: BatchInput, kv_cache: list[KVCache]) -> torch.Tensor:
         """Runs the batch, writes its K/V into kv_cache, returns float32 logits [R, vocab]
-        (and sets batch.hidden when it has hidden_rows)."""
+        (and sets batch.hidden when it has hidden_rows). A pipeline stage runs its layers
+        between the stages before and after it; there rank 0 returns the last stage's logits,
+        and the other stages what they computed (the last its logits, others nothing)."""
         step = Step(batch, self.kernels, self.dtype, self.all_reduce)
+        stage, cfg = self.stage, self.config
+        if stage is None or stage.first:
+            x = self._embed(batch)
+        else:
+            x = stage.receive_hidden(len(batch.token_ids), cfg.hidden_size, self.dtype)
+        for layer, cache in zip(self.layers, kv_cache, strict=True):
+            x = layer.forward(x, step, cache)
+        if stage is None:
+            return self._head(x, batch)
+        if stage.last:
+            logits = self._head(x, batch)
+            stage.send_result(logits, batch.hidden)
+            return logits
+        stage.send_hidden(x)
+        if stage.ranks.rank == 0:
+            return stage.receive_result(batch, cfg.vocab_size, cfg.hidden_size)
+        return x.new_empty(0, cfg.vocab_size)
+
+    def _embed(self, batch: BatchInput) -> torch.Tensor:
+        assert self.embed is not None  # every decoder's but a later pipeline stage's
         if isinstance(self.embed, BlockQuant):  # rows dequantized as they are gathered
             x = self.embed.rows(batch.token_ids, self.dtype)
         else:
@@ -226,8 +257,10 @@ class Decoder:
         if batch.embeds is not None:  # after the scale, which transformers applies to text only
             rows, embeds = batch.embeds
             x = x.index_copy(0, rows, embeds.to(x.dtype))
-        for layer, cache in zip(self.layers, kv_cache, strict=True):
-            x = layer.forward(x, step, cache)
+        return x
+
+    def _head(self, x: torch.Tensor, batch: BatchInput) -> torch.Tensor:
+        assert self.lm_head is not None  # every decoder's but an earlier pipeline stage's
         if batch.hidden_rows is not None:
             batch.hidden = self.final_norm(x.index_select(0, batch.hidden_rows)).float()
         x = self.final_norm(x.index_select(0, batch.logit_rows))

@@ -36,6 +36,7 @@ from gapless.model.loader import (
     check_shape,
 )
 from gapless.model.parallel import TensorParallel
+from gapless.model.pipeline import Stage
 from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE, quantizer
 from gapless.model.tokenizer import Tokenizer
 
@@ -208,9 +209,11 @@ def load_gguf(
     parallel: TensorParallel | None = None,
     quantize: str | None = None,
     group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    stage: Stage | None = None,
 ) -> tuple[Decoder, Tokenizer]:
     """The decoder and tokenizer of a GGUF file. quantize (see load_decoder) applies to the
-    weights that are float after load."""
+    weights that are float after load. With `stage`, only that pipeline stage's tensors are
+    read."""
     path = Path(path)
     quantizer(quantize, group_size)  # a bad choice fails before the file is read
     # Copy-on-write: tensors view the mapped file without a copy and are never written back.
@@ -240,6 +243,8 @@ def load_gguf(
         parts = expected[tensor.name]
         stacked = (len(parts),) if len(parts) > 1 else ()
         check_shape(tensor.name, _shape(tensor), (*stacked, *parts[0][1]))
+        if stage is not None and not stage.keeps(parts[0][0]):
+            continue
         w = _weight(tensor, kernels)
         if tensor.tensor_type not in FLOAT_TYPES and isinstance(w, torch.Tensor):
             grown = w.numel() * w.element_size() - int(tensor.n_bytes)
@@ -254,12 +259,17 @@ def load_gguf(
             grown / 1e6,
         )
     quantize_fn = quantizer(quantize, group_size, kernels.gguf_blocks)
-    decoder = build_decoder(cfg, weights, kernels, quantize_fn, parallel)
+    decoder = build_decoder(cfg, weights, kernels, quantize_fn, parallel, stage)
     return decoder, tokenizer_from_gguf(reader)
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:
     return read_config(_Reader(path, "r"))
+
+
+def tensor_sizes(path: str | Path) -> dict[str, int]:
+    """Each tensor's bytes in the file, by its llama.cpp name."""
+    return {t.name: int(t.n_bytes) for t in _Reader(path, "r").tensors}
 
 
 def is_gguf(path: str | Path) -> bool:

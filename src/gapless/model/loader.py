@@ -18,6 +18,7 @@ from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder
 from gapless.model.families import family_of, read_config_json
 from gapless.model.parallel import TensorParallel, shard_config
+from gapless.model.pipeline import Stage
 from gapless.model.quantize import DEFAULT_INT4_GROUP_SIZE, Quantizer, quantizer
 from gapless.model.shard import shard_weights
 from gapless.model.weights import Weight, Weights
@@ -71,9 +72,14 @@ def check_shape(name: str, shape: tuple[int, ...], expected: tuple[int, ...]) ->
 
 
 def load_weights(
-    path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    path: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    keep: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
-    return read_weights(path, expected_shapes(cfg), cfg.tie_word_embeddings, dtype, device)
+    tied = cfg.tie_word_embeddings
+    return read_weights(path, expected_shapes(cfg), tied, dtype, device, keep=keep)
 
 
 def read_weights(
@@ -83,9 +89,11 @@ def read_weights(
     dtype: torch.dtype,
     device: torch.device,
     rename: Callable[[str], str] | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors, exactly those expected, by name. rename: a stored name -> the
-    name expected (a vision-language checkpoint nests its language model's)."""
+    name expected (a vision-language checkpoint nests its language model's); keep: which of
+    them to read (a pipeline stage's), all checked."""
     files = _tensor_files(path)
     stored = {rename(name) if rename else name: name for name in files}
     # Checkpoints may carry buffers we recompute, or an lm_head copy of tied embeddings.
@@ -96,9 +104,11 @@ def read_weights(
 
     weights: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
-    for name in expected:
+    for name in (n for n in expected if keep is None or keep(n)):
         by_file.setdefault(files[stored[name]], []).append(name)
-    bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", delay=1.0)
+    bar = tqdm(
+        total=sum(map(len, by_file.values())), desc="loading weights", unit="tensor", delay=1.0
+    )
     for file, names in by_file.items():
         with _open(file) as f:
             for name in names:
@@ -117,9 +127,11 @@ def load_decoder(
     parallel: TensorParallel | None = None,
     quantize: str | None = None,
     group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    stage: Stage | None = None,
 ) -> Decoder:
     """quantize: None, "int8" or "int4" (with group_size): the linears' weights (lm_head
-    too), quantized round-to-nearest at load; embeddings and norms stay in dtype."""
+    too), quantized round-to-nearest at load; embeddings and norms stay in dtype. With
+    `stage`, only that pipeline stage's tensors are read."""
     path = Path(path)
     quantizer(quantize, group_size)  # a bad choice fails before the weights are read
     cfg = read_config_json(path)
@@ -127,9 +139,9 @@ def load_decoder(
     quantized = quantize is not None
     dt = resolve_dtype(dtype, dev, quantized)
     kernels = select(dev, dt, quantized)
-    weights = load_weights(path, cfg, dt, dev)
+    weights = load_weights(path, cfg, dt, dev, stage.keeps if stage is not None else None)
     quantize_fn = quantizer(quantize, group_size, kernels.gguf_blocks)
-    return build_decoder(cfg, weights, kernels, quantize_fn, parallel)
+    return build_decoder(cfg, weights, kernels, quantize_fn, parallel, stage)
 
 
 def build_decoder(
@@ -138,26 +150,38 @@ def build_decoder(
     kernels: Kernels,
     quantize: Quantizer | None = None,
     parallel: TensorParallel | None = None,
+    stage: Stage | None = None,
 ) -> Decoder:
     """A Decoder from checked weights under Hugging Face names (the dict is consumed).
 
     Weights already quantized (from a GGUF file) run as they are; quantize, if given, turns
     the float weights of the linears into quantized ones. With `parallel`, of this rank's
-    shard, cut before any linear is built (shard.shard_weights).
+    shard, cut before any linear is built (shard.shard_weights). With `stage`, of that
+    pipeline stage's tensors (Stage.keeps), its layers built alone; the decoder keeps the
+    whole model's config.
     """
     family = family_of(cfg.architecture)
+    build_cfg = cfg
+    if stage is not None:
+        w = stage.local_weights(w)  # type: ignore[assignment]
+        build_cfg = stage.config(cfg)
     if hasattr(family, "split_fused"):
-        w = family.split_fused(cfg, w)
+        w = family.split_fused(build_cfg, w)
     if parallel is not None:
-        w = shard_weights(cfg, w, parallel.rank, parallel.size, kernels.dtype)
-        cfg = shard_config(cfg, parallel.size)
+        head = stage is None or stage.last
+        w = shard_weights(cfg, w, parallel.rank, parallel.size, kernels.dtype, head)
+        cfg, build_cfg = shard_config(cfg, parallel.size), shard_config(build_cfg, parallel.size)
     weights = Weights(w, kernels, quantize)
-    body = family.build(cfg, weights)
-    embed = w.pop("model.embed_tokens.weight")
-    # A tied lm_head that is quantized gets its own quantized copy of the embeddings.
-    lm_head = kernels.lm_head(
-        weights.quantized(embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
-    )
+    body = family.build(build_cfg, weights)
+    embed = w.pop("model.embed_tokens.weight", None)
+    lm_head = None
+    if stage is None or stage.last:
+        # A tied lm_head that is quantized gets its own quantized copy of the embeddings.
+        lm_head = kernels.lm_head(
+            weights.quantized(embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
+        )
+    if stage is not None and not stage.first:
+        embed = None
     if isinstance(embed, GroupQuant):  # torch's int ops have no lookup
         embed = embed.dequantize(kernels.dtype)
     if w:
@@ -172,4 +196,5 @@ def build_decoder(
         parallel,
         body.embed_scale,
         body.logit_softcap,
+        stage,
     )

@@ -55,6 +55,10 @@ class TensorParallel:
     device: str  # this rank's
     # Explains a failed step, naming the rank(s) at fault where the launcher can tell.
     diagnose: Callable[[BaseException], str] = _just_the_error
+    # Pipeline and tensor parallelism both: the tensor-parallel group of this rank's stage
+    # (ranks s * T ... s * T + T - 1 of this group are stage s's), whose all-reduces and
+    # gathers its layers run on. None: no stage is split.
+    within_stage: TensorParallel | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.steps.allreduce([x]).wait()  # a sum

@@ -18,11 +18,17 @@ Weight = torch.Tensor | GroupQuant | BlockQuant
 
 
 def shard_weights(
-    cfg: ModelConfig, w: dict[str, Weight], rank: int, size: int, dtype: torch.dtype
+    cfg: ModelConfig,
+    w: dict[str, Weight],
+    rank: int,
+    size: int,
+    dtype: torch.dtype,
+    head: bool = True,
 ) -> dict[str, Weight]:
     """Replaces full weights under Hugging Face names by this rank's slices, in place, as the
     family's SHARD_ROWS and SHARD_COLUMNS say (families/common.py); a quantized weight that
-    cannot be cut as it is is dequantized to dtype first."""
+    cannot be cut as it is is dequantized to dtype first. head: this rank holds lm_head (not
+    so in a pipeline stage before the last)."""
     family = family_of(cfg.architecture)
     local = shard_config(cfg, size)
     d = cfg.head_dim
@@ -47,13 +53,15 @@ def shard_weights(
             w[name] = _columns(w[name], cuts[family.SHARD_COLUMNS[module]], dtype)
         elif module in family.SHARD_COLUMNS and rank:
             del w[name]  # o's and down's bias: added once, by rank 0
-    head = w.pop("lm_head.weight", None)
-    head = w["model.embed_tokens.weight"] if head is None else head
-    if isinstance(head, GroupQuant):
-        head = head.dequantize(dtype)
+    if not head:
+        return w
+    lm_head = w.pop("lm_head.weight", None)
+    lm_head = w["model.embed_tokens.weight"] if lm_head is None else lm_head
+    if isinstance(lm_head, GroupQuant):
+        lm_head = lm_head.dequantize(dtype)
     vocab_slice = functools.partial(_vocab_slice, rank=rank, size=size)
     w["lm_head.weight"] = (
-        head.map_rows(vocab_slice) if isinstance(head, BlockQuant) else vocab_slice(head)
+        lm_head.map_rows(vocab_slice) if isinstance(lm_head, BlockQuant) else vocab_slice(lm_head)
     )
     return w
 

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         # Still through exit_rank below: a failed start leaves no rank behind.
         log.exception("gapless serve failed")
         status = 1
-    if args.tensor_parallel_size > 1 or args.nnodes > 1:
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1 or args.nnodes > 1:
         from gapless.engine import distributed
 
         distributed.exit_rank(status)
@@ -81,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from gapless.engine import distributed
     from gapless.engine.async_engine import engine_thread
-    from gapless.model.checkpoint import read_model_config
+    from gapless.engine.builder import group_kind, what_ranks_load
     from gapless.model.gguf import is_gguf, model_name
-    from gapless.model.parallel import ShardError, check_shardable
+    from gapless.model.parallel import ShardError
     from gapless.server.app import GaplessServer
     from gapless.server.tenants import Tenants
 
@@ -100,21 +100,27 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         name = args.served_model_name or model_name(model_dir)
 
-    group = None  # rank 0's, under tensor parallelism
+    group = None  # rank 0's, under tensor or pipeline parallelism
     try:
         settings = server_settings(args, name)
         # Before the model loads: a bad key file stops the start at once, naming what is wrong.
         tenants = Tenants(settings.api_keys) if settings.api_keys is not None else None
         config = engine_config(args)
-        launch = Launch(**_chosen(args, Launch), threads=config.num_threads, device=config.device)
-        if config.tensor_parallel_size > 1:
+        launch = Launch(
+            **_chosen(args, Launch),
+            threads=config.num_threads,
+            device=config.device,
+            stage_size=config.tensor_parallel_size,
+        )
+        if config.world_size > 1:
             # Before any rank starts: the common misfit spawns nothing.
-            check_shardable(read_model_config(model_dir), config.tensor_parallel_size)
-            group = distributed.start(config.tensor_parallel_size, launch, "gapless serve")
+            what_ranks_load(model_dir, config)
+            kind = group_kind(config)
+            group = distributed.start(config.world_size, launch, "gapless serve", kind)
             if group.parallel.rank != 0:  # a worker: rank 0 schedules and serves
                 return distributed.serve_worker(group)
     except ShardError as e:
-        log.error("cannot split %s over %d ranks: %s", model_dir, args.tensor_parallel_size, e)
+        log.error("cannot split %s over %d ranks: %s", model_dir, config.world_size, e)
         return 2
     except ValueError as e:
         log.error("bad option: %s", e)
