@@ -18,7 +18,7 @@ from gapless.engine.cost_model import LEARNING_CHUNK, StepCostModel
 from gapless.engine.draft import check_draft
 from gapless.engine.runner import ModelRunner
 from gapless.kv.groups import LayerGroups, split_blocks
-from gapless.model.checkpoint import load_model, read_model_config
+from gapless.model.checkpoint import load_model, read_model_config, tensor_bytes
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import check_shardable
 from gapless.model.pipeline import layer_counts
@@ -89,7 +89,7 @@ def what_ranks_load(path: str | Path, config: EngineConfig) -> distributed.LoadM
     check_shardable(cfg, config.tensor_parallel_size)
     if config.pipeline_parallel_size > 1:
         stages, chosen = config.pipeline_parallel_size, config.pipeline_layers
-        load.pipeline_layers = layer_counts(path, cfg, stages, chosen)
+        load.pipeline_layers = layer_counts(tensor_bytes(path), cfg, stages, chosen)
         load.tied = cfg.tie_word_embeddings
     return load
 

@@ -243,7 +243,11 @@ class Decoder:
             return logits
         stage.send_hidden(x)
         if stage.ranks.rank == 0:
-            return stage.receive_result(batch, cfg.vocab_size, cfg.hidden_size)
+            hidden_rows = None if batch.hidden_rows is None else len(batch.hidden_rows)
+            logits, batch.hidden = stage.receive_result(
+                len(batch.logit_rows), cfg.vocab_size, hidden_rows, cfg.hidden_size
+            )
+            return logits
         return x.new_empty(0, cfg.vocab_size)
 
     def _embed(self, batch: BatchInput) -> torch.Tensor:

@@ -14,21 +14,14 @@ each sends to the same shard's rank of the next stage.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-import struct
 from dataclasses import dataclass
 from itertools import accumulate
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from gapless.model.config import ModelConfig
 from gapless.model.parallel import ShardError, TensorParallel
-
-if TYPE_CHECKING:
-    from gapless.model.decoder import BatchInput
 
 # A ModelConfig's fields that hold one value per layer (the families' own included): a
 # stage's build sees its layers' values only.
@@ -125,26 +118,29 @@ class Stage:
             if t is not None:
                 self.ranks.steps.send([t.contiguous()], 0, 1).wait()
 
-    def receive_result(self, batch: BatchInput, vocab: int, width: int) -> torch.Tensor:
-        """Rank 0: the logits of the batch's logit rows from the last stage; sets
-        batch.hidden when it has hidden rows."""
+    def receive_result(
+        self, logit_rows: int, vocab: int, hidden_rows: int | None, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rank 0: the last stage's logits of a batch's logit rows, and its hidden rows when
+        the batch has some (hidden_rows not None)."""
         last, device = self.ranks.size - self.width, self.ranks.device
-        logits = torch.empty(len(batch.logit_rows), vocab, device=device)
+        logits = torch.empty(logit_rows, vocab, device=device)
         self.ranks.steps.recv([logits], last, 1).wait()
-        if batch.hidden_rows is not None:
-            batch.hidden = torch.empty(len(batch.hidden_rows), width, device=device)
-            self.ranks.steps.recv([batch.hidden], last, 1).wait()
-        return logits
+        if hidden_rows is None:
+            return logits, None
+        hidden = torch.empty(hidden_rows, width, device=device)
+        self.ranks.steps.recv([hidden], last, 1).wait()
+        return logits, hidden
 
 
 # -- where the stages cut the layers ------------------------------------------------------
 
 
 def layer_counts(
-    path: str | Path, cfg: ModelConfig, stages: int, chosen: str | None = None
+    sizes: dict[str, int], cfg: ModelConfig, stages: int, chosen: str | None = None
 ) -> tuple[int, ...]:
     """How many layers each stage holds: `chosen` ("10,14"), checked, or a split of the
-    layers by their bytes in the file, with the embeddings counted to the first stage and
+    layers by their bytes in the file (`sizes`, each tensor's, by its name there), with the embeddings counted to the first stage and
     the final norm and lm_head (a copy of the embeddings when tied) to the last."""
     if chosen is not None:
         return parse_layer_counts(chosen, cfg.num_layers, stages)
@@ -152,7 +148,7 @@ def layer_counts(
         raise ShardError(f"{cfg.num_layers} layers do not split over {stages} pipeline stages")
     per_layer = [0] * cfg.num_layers
     first = last = 0
-    for name, size in tensor_bytes(path).items():
+    for name, size in sizes.items():
         if (layer := _LAYER.match(name)) is not None:
             per_layer[int(layer[1])] += size
         elif name.startswith(("model.embed_tokens", "token_embd")):
@@ -196,28 +192,3 @@ def split_by_bytes(per_layer: list[int], first: int, last: int, stages: int) -> 
         bounds.append(cut)
     bounds.append(n)
     return tuple(b - a for a, b in zip(bounds, bounds[1:], strict=False))
-
-
-def tensor_bytes(path: str | Path) -> dict[str, int]:
-    """Each tensor's bytes as stored, by its name in the file, from the headers alone."""
-    from gapless.model.gguf import is_gguf, tensor_sizes
-
-    if is_gguf(path):
-        return tensor_sizes(path)
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    files = (
-        {path / f for f in json.loads(index.read_text())["weight_map"].values()}
-        if index.is_file()
-        else {path / "model.safetensors"}
-    )
-    sizes = {}
-    for file in files:
-        with file.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                start, end = entry["data_offsets"]
-                sizes[name] = end - start
-    return sizes
