@@ -168,7 +168,9 @@ def test_bench_against_fake_server(fake_server, tmp_path):
     _assert_png(out / "itl_cdf.png")
 
 
-def test_the_mix_sends_each_requests_class_and_tenants_key_and_reports_each(fake_server, tmp_path):
+def test_the_mix_sends_each_requests_class_and_tenants_key_and_reports_each(
+    fake_server, tmp_path, capsys
+):
     out = tmp_path / "out"
     SENT.clear()
     argv = ["--url", fake_server, "--model", "fake", "--vocab-size", "512", "--out", str(out)]
@@ -210,6 +212,16 @@ def test_the_mix_sends_each_requests_class_and_tenants_key_and_reports_each(fake
     assert [(r["rid"], r["max_tokens"]) for r in only] == [
         (r["rid"], r["max_tokens"]) for r in batch
     ]
+    # --only-tenant: tenant a's requests, at the same times, alone.
+    argv[-1] = str(tmp_path / "tenant")
+    assert bench([*argv, *mix, "--num-requests", "12", "--rate", "100", "--only-tenant", "a"]) == 0
+    only = json.loads((tmp_path / "tenant" / "results.json").read_text())["configs"]["default"]
+    light = [r for r in requests if r["tenant"] == "a"]
+    assert [(r["rid"], r["max_tokens"]) for r in only["requests"]] == [
+        (r["rid"], r["max_tokens"]) for r in light
+    ]
+    assert bench([*argv, *mix, "--num-requests", "12", "--only-tenant", "c"]) == 2
+    assert "'c' is none of --tenants" in capsys.readouterr().err
 
 
 def test_cancel_workload_disconnects(fake_server, tmp_path):

@@ -161,6 +161,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=tuple(CLASS_SHAPES),
         help="mix: send only this class's requests of the mix (the same ones, at the same times)",
     )
+    wl.add_argument(
+        "--only-tenant",
+        metavar="NAME",
+        help="mix: send only this tenant's requests of the mix (the same ones, at the same times)",
+    )
 
     run = p.add_argument_group("run")
     run.add_argument("--slo", help="goodput SLOs in ms, e.g. ttft:500,itl:100 (itl checks TPOT)")
@@ -290,6 +295,7 @@ def _spec(args: argparse.Namespace, vocab: int) -> WorkloadSpec:
         mix=args.mix,
         tenants=args.tenants,
         only_class=args.only_class,
+        only_tenant=args.only_tenant,
         send_classes=args.send_classes,
         length_scale=args.length_scale,
     )
@@ -381,13 +387,13 @@ def bench_main(args: argparse.Namespace) -> int:
     try:
         slo = parse_slo(args.slo)
         configs, model, vocab = _targets(args)
+        spec = _spec(args, vocab)
+        requests = build_workload(spec)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = args.out or Path("results") / args.workload
     out.mkdir(parents=True, exist_ok=True)
-    spec = _spec(args, vocab)
-    requests = build_workload(spec)
 
     runs: dict[str, dict] = {}
     records_by_config: dict[str, list[RequestRecord]] = {}

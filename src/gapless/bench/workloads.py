@@ -64,6 +64,7 @@ class WorkloadSpec:
     mix: tuple[tuple[str, float], ...] = (("interactive", 0.2), ("batch", 0.8))
     tenants: tuple[tuple[str, float], ...] = ()
     only_class: str | None = None  # keep this class's requests alone (the same ones)
+    only_tenant: str | None = None  # keep this tenant's requests alone (the same ones)
     send_classes: bool = True  # False: shaped by class, but sent naming none
 
 
@@ -230,9 +231,13 @@ def mix(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
                 tenant=tenant,
             )
         )
-    if spec.only_class is not None:
-        reqs = [r for r in reqs if r.service_class == spec.only_class]
-    return reqs
+    if spec.only_tenant is not None and spec.only_tenant not in {n for n, _ in spec.tenants}:
+        raise ValueError(f"--only-tenant {spec.only_tenant!r} is none of --tenants")
+    return [
+        r
+        for r in reqs
+        if spec.only_class in (None, r.service_class) and spec.only_tenant in (None, r.tenant)
+    ]
 
 
 # The input-grounded workload's document: a Python module of about 300 tokens, which each
