@@ -363,9 +363,11 @@ def test_class_targets_parse_and_target_itl_ms_fills_the_rest():
 
 def test_a_stricter_class_defers_looser_decodes_in_turns_to_meet_its_target():
     """20 batch streams and 1 interactive stream decode, under interactive=150 ms, with 10 ms
-    a decode: all 21 would take 210 ms. Batch decodes wait a step, as few as leave 64 prompt
-    tokens in the target (8 decodes), the interactive one never; they take turns, so each
-    batch stream still gets a token every few steps. Without the interactive stream nothing
+    a decode: all 21 would take 210 ms. Batch decodes wait a step, as few as keep the step
+    within the target (14 decodes), the interactive one never; they take turns, so each batch
+    stream still gets a token every few steps. A waiting batch prompt gets what the target
+    leaves and no batch decode waits for it; an interactive prompt gets 64 tokens at least, as
+    many batch decodes waiting for it as that takes. Without the interactive stream nothing
     waits (batch has no target)."""
     model = FakeCostModel(target=0, per_decode=0.01, per_token=0.001)
     scheduler = Scheduler(
@@ -384,15 +386,22 @@ def test_a_stricter_class_defers_looser_decodes_in_turns_to_meet_its_target():
     for req in scheduler.running:
         req.last_token_time = 0.0
     given: dict[str, int] = {}
-    for step in range(3):
-        sizes = run_step(scheduler)
-        assert sizes["chat"] == 1
-        assert sum(n == 1 for n in sizes.values()) == 8  # 1 interactive + 7 batch decodes
-        assert sizes["long"] == 70  # (0.15 - 8 x 0.01) / 0.001
-        for rid in sizes:
-            given[rid] = given.get(rid, 0) + 1
-        for req in scheduler.running:  # the engine stamps each token's time
-            if req.request_id in sizes:
-                req.last_token_time = float(step + 1)
+    clock = iter(range(1, 100))
+
+    def steps(count: int, decodes: int, prompt: str, prompt_tokens: int) -> None:
+        for _ in range(count):
+            sizes, now = run_step(scheduler), next(clock)
+            assert sizes["chat"] == 1
+            assert sum(n == 1 for n in sizes.values()) == decodes
+            assert sizes[prompt] == prompt_tokens
+            for rid in sizes:
+                given[rid] = given.get(rid, 0) + 1
+            for req in scheduler.running:  # the engine stamps each token's time
+                if req.request_id in sizes:
+                    req.last_token_time = float(now)
+
+    steps(3, 14, "long", 10)  # 1 interactive + 13 batch decodes, (0.15 - 14 x 0.01) / 0.001
     batch = [n for rid, n in given.items() if rid.startswith("b")]
-    assert len(batch) == 20 and max(batch) == 2  # 21 turns over 20 streams: in turn
+    assert len(batch) == 20 and max(batch) == 2  # 39 turns over 20 streams: in turn
+    scheduler.add(classed("question", 5000, "interactive"))
+    steps(2, 8, "question", 70)  # 1 + 7 batch decodes, (0.15 - 8 x 0.01) / 0.001

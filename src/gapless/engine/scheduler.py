@@ -273,8 +273,9 @@ class Scheduler:
         )
         target = self._step_target(decodes)
         start = candidates[0].num_computed if candidates else 0
+        first = candidates[0] if candidates else None
         if target is not None and self.prefill_budget is not None:
-            decodes = self._defer_for_target(decodes, target, start, bool(candidates))
+            decodes = self._defer_for_target(decodes, target, start, first)
         chunks = list(decodes)
         speculating = any(c.request.speculation is not None for c in decodes)
         if not chunks:
@@ -284,10 +285,12 @@ class Scheduler:
             budget = self.prefill_budget(contexts, start, target)
         else:
             budget = self.config.prefill_chunk
-        # Under a latency target prompts move at least min_prefill_chunk tokens a step, and
-        # speculation gets only what the target leaves after them.
+        # Under a latency target a prompt as urgent as every decode of the step moves at least
+        # min_prefill_chunk tokens a step; a less urgent one gets what the target leaves (a
+        # batch prompt waits while the step's decodes use an interactive stream's target).
+        # Speculation gets only what the target leaves after the prompts.
         left = budget
-        if chunks and target is not None:
+        if chunks and target is not None and first is not None and self._urgent(first, chunks):
             budget = max(budget, self.config.min_prefill_chunk)
         for request in candidates:
             if budget <= 0:
@@ -327,14 +330,26 @@ class Scheduler:
         classes = {c.request.params.service_class for c in decodes}
         return min((self.itl_targets[c] for c in classes & self.itl_targets.keys()), default=None)
 
+    @staticmethod
+    def _urgent(prompt: Request, decodes: list[ScheduledChunk]) -> bool:
+        """Whether the prompt is as urgent as every decode: only then does it take a step's
+        room from a decode, or the guaranteed min_prefill_chunk beyond the step's target."""
+        return all(urgency(prompt) <= urgency(c.request) for c in decodes)
+
     def _defer_for_target(
-        self, decodes: list[ScheduledChunk], target: float, start: int, prompts: bool
+        self,
+        decodes: list[ScheduledChunk],
+        target: float,
+        start: int,
+        prompt: Request | None,
     ) -> list[ScheduledChunk]:
         """The step's decodes, less those of classes with a looser target than the step's (or
-        none) that must wait a step for the step to meet it: as few as leave the decodes within
-        the target, with min_prefill_chunk prompt tokens beside them where prompts wait (the
-        cost model's prediction). The least urgent wait first, and within a class those given
-        a token most recently, so that they take turns."""
+        none) that must wait a step for the step to meet it (the cost model's prediction): as
+        few as leave the decodes within the target and, when the first waiting prompt is more
+        urgent than some of them, as few of those as leave it min_prefill_chunk tokens beside
+        them. A decode never waits for a prompt of its own class or a less urgent one: a batch
+        stream does not stop for a batch prompt. The least urgent wait first, and within a
+        class those given a token most recently, so that they take turns."""
         deferrable = [
             c
             for c in decodes
@@ -342,23 +357,35 @@ class Scheduler:
         ]
         if not deferrable:
             return decodes
-        deferrable.sort(key=lambda c: (-urgency(c.request), -(c.request.last_token_time or 0)))
-        need = self.config.min_prefill_chunk if prompts else 1
+        # Of streams last served in the same step, the one with more tokens waits first.
+        deferrable.sort(
+            key=lambda c: (
+                -urgency(c.request),
+                -(c.request.last_token_time or 0),
+                -len(c.request.output_ids),
+            )
+        )
         assert self.prefill_budget is not None
 
-        def fits(deferred: int) -> bool:
-            waiting = {id(c) for c in deferrable[:deferred]}
-            contexts = [c.request.num_computed + 1 for c in decodes if id(c) not in waiting]
-            return self.prefill_budget(contexts, start, target) >= need  # type: ignore[misc]
+        def fewest(candidates: int, need: int) -> int:
+            """The fewest of deferrable[:candidates] whose wait leaves `need` prompt tokens in
+            the target (all of them, if none does)."""
+            lo, hi = 0, candidates
+            while lo < hi:
+                mid = (lo + hi) // 2
+                waiting = {id(c) for c in deferrable[:mid]}
+                contexts = [c.request.num_computed + 1 for c in decodes if id(c) not in waiting]
+                if self.prefill_budget(contexts, start, target) >= need:  # type: ignore[misc]
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return lo
 
-        lo, hi = 0, len(deferrable)  # the fewest deferred that fit (all of them, if none do)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        waiting = {id(c) for c in deferrable[:lo]}
+        deferred = fewest(len(deferrable), 1)
+        if prompt is not None:
+            below = sum(urgency(c.request) > urgency(prompt) for c in deferrable)  # a prefix
+            deferred = max(deferred, fewest(below, self.config.min_prefill_chunk))
+        waiting = {id(c) for c in deferrable[:deferred]}
         return [c for c in decodes if id(c) not in waiting]
 
     def _encodes(
