@@ -177,3 +177,30 @@ def test_a_request_of_the_same_class_waits_for_a_slot():
     scheduler.add(request("second", 20, "interactive"))
     plan = scheduler.schedule()
     assert plan.preempted == [] and [c.request.request_id for c in plan.chunks] == ["first"]
+
+
+def test_within_a_class_a_tenant_running_more_than_its_share_gives_up_a_slot():
+    """max_num_seqs 4, all held by tenant heavy: light's first request takes the place of
+    heavy's latest, and its second another (heavy 3 against light 1); its third waits, as
+    heavy then runs no more than light (2 and 2). Without tenants nothing is preempted."""
+    config = SchedulerConfig(max_num_seqs=4, prefill_chunk=64, idle_prefill_chunk=64)
+    scheduler = Scheduler(config, BlockPool(256, 16))
+
+    def tenant_request(rid: str, tenant: str) -> Request:
+        req = request(rid, 20, "standard")
+        req.params.tenant = tenant
+        return req
+
+    heavy = [tenant_request(f"h{i}", "heavy") for i in range(4)]
+    for req in heavy:
+        scheduler.add(req)
+    step(scheduler)
+    assert scheduler.running == heavy
+    preempted = []
+    for i in range(3):
+        scheduler.add(tenant_request(f"l{i}", "light"))
+        plan = scheduler.schedule()
+        preempted.append([r.request_id for r in plan.preempted])
+        scheduler.update(plan, StepOutcome(computed=plan.chunks, sampled=[]))
+    assert preempted == [["h3"], ["h2"], []]
+    assert sorted(r.request_id for r in scheduler.running) == ["h0", "h1", "l0", "l1"]

@@ -61,6 +61,7 @@ A request for n choices prefills its prompt once; the other n - 1 then fork from
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from collections.abc import Callable
@@ -496,13 +497,37 @@ class Scheduler:
         """A waiting request that admission would refuse (the batch full at max_num_seqs, or
         the KV pool short of its first chunk) takes the place of a running request of a less
         urgent class: the least urgent is preempted, as under KV pressure. So a chat arriving
-        at a server full of batch work waits for no batch request to end."""
+        at a server full of batch work waits for no batch request to end. Within its class it
+        takes the place of a tenant's running more than its share (_over_share)."""
         for request in sorted(self.waiting, key=urgency):
+            fair = False
             while not self._has_room(request):
                 victim = max(self.running, key=precedence, default=None)
-                if victim is None or urgency(victim) <= urgency(request):
+                if victim is None or urgency(victim) < urgency(request):
                     return
+                if urgency(victim) == urgency(request):
+                    victim, fair = self._over_share(request), True
+                    if victim is None:
+                        break
                 self.preempt(victim)
+            if fair and self._has_room(request):
+                # The slot is this request's: the preempted one, first in the queue and of a
+                # tenant level in tokens with it, would otherwise take it straight back.
+                self._admit(request)
+
+    def _over_share(self, request: Request) -> Request | None:
+        """Within a class, decode slots are shared between tenants too: the latest admitted
+        request of the tenant running the most of that class, when it runs at least two more
+        than the waiting request's tenant (so that the preempted tenant does not take the slot
+        straight back). None when no tenant runs more than its share."""
+        share = _share(request)
+        running = collections.Counter(_share(r) for r in self.running)
+        fullest = max(
+            (s for s in running if s[0] == share[0]), key=running.__getitem__, default=None
+        )
+        if fullest is None or running[fullest] < running[share] + 2:
+            return None
+        return max((r for r in self.running if _share(r) == fullest), key=precedence)
 
     def _has_room(self, request: Request) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
