@@ -28,7 +28,8 @@ from gapless.bench.gguf_files import write_gguf
 from gapless.engine import distributed
 from gapless.engine.builder import kv_runner, what_ranks_load
 from gapless.engine.config import EngineConfig
-from gapless.engine.events import TokenEvent
+from gapless.engine.events import FinishedEvent, TokenEvent
+from gapless.engine.observability import stats
 from gapless.engine.runner import ModelRunner
 from gapless.model.checkpoint import load_model, read_model_config
 from gapless.model.decoder import Decoder
@@ -230,3 +231,79 @@ def test_what_pipeline_parallelism_refuses_is_named():
 def test_a_stage_that_dies_ends_streams_with_an_error_then_503_then_exit(checkpoint):
     fault, flag = signal.SIGKILL, "--pipeline-parallel-size"
     check_a_failed_rank_fails_the_server(checkpoint("llama"), fault, flag)
+
+
+def run_engine(engine, arrivals: dict[int, list[tuple[list[int], SamplingParams]]]) -> dict:
+    """Steps the engine until it has no work, adding each of `arrivals`' requests at its step;
+    returns each request's tokens and finish reason, by the order of its arrival."""
+    ids: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    step = 0
+    while engine.has_work or step <= max(arrivals):
+        for ids_prompt, params in arrivals.get(step, []):
+            ids.append(engine.add_request(ids_prompt, params))
+        for event in engine.step():
+            if isinstance(event, TokenEvent):
+                tokens.setdefault(event.request_id, []).extend(event.token_ids)
+            elif isinstance(event, FinishedEvent):
+                reasons[event.request_id] = event.finish_reason
+        step += 1
+    return {i: (tokens.get(rid, []), reasons[rid]) for i, rid in enumerate(ids)}
+
+
+def test_steps_in_flight_give_one_ranks_tokens_as_requests_arrive(checkpoint):
+    # Requests arrive while others decode and prefill: micro-batches of the requests with no
+    # step in flight overlap, and each request's tokens are what one rank gives it.
+    path = checkpoint("llama")
+    arrivals = {
+        0: [(prompt(20, seed=s), greedy(12)) for s in range(3)],
+        4: [(prompt(45, seed=3), greedy(10)), (prompt(9, seed=4), greedy(14))],
+        9: [(prompt(30, seed=5), greedy(8))],
+    }
+    one = run_engine(LLM(path, dtype="float32", prefill_chunk=16).engine, arrivals)
+    with LLM(path, dtype="float32", prefill_chunk=16, pipeline_parallel_size=2) as llm:
+        two = run_engine(llm.engine, arrivals)
+        counters = stats(llm.engine)
+    assert two == one
+    assert all(reason == "length" for _, reason in two.values())
+    assert counters["steps_overlapped_total"] > 0 and counters["steps_in_flight"] == 0
+
+
+def test_a_request_cancelled_in_flight_ends_cancelled_and_frees_its_blocks(checkpoint):
+    path = checkpoint("llama")
+    with LLM(path, dtype="float32", pipeline_parallel_size=2) as llm:
+        engine = llm.engine
+        ids = [engine.add_request(prompt(20, seed=s), greedy(30)) for s in range(4)]
+        while not engine.scheduler.in_flight:
+            engine.step()
+        victim = next(iter(engine.scheduler.in_flight)).request_id
+        assert engine.cancel(victim)
+        reasons, tokens_after = {}, 0
+        while engine.has_work:
+            for event in engine.step():
+                if isinstance(event, FinishedEvent):
+                    reasons[event.request_id] = event.finish_reason
+                elif isinstance(event, TokenEvent) and event.request_id == victim:
+                    tokens_after += len(event.token_ids)
+        assert reasons == {rid: "cancelled" if rid == victim else "length" for rid in ids}
+        assert tokens_after == 0
+        assert engine.pool.num_used == 0 and not engine.scheduler.in_flight
+
+
+def test_preemption_with_steps_in_flight_gives_one_ranks_tokens(checkpoint):
+    # Each stage's KV holds 10 blocks; the four requests need 20: requests with no step in
+    # flight are preempted and recomputed, as on one rank.
+    path = checkpoint("llama")
+    prompts = [prompt(30, seed=s) for s in range(4)]
+    expected = [out.token_ids for out in LLM(path, dtype="float32").generate(prompts, greedy(40))]
+    decoder = load_model(path, "float32")[0]
+    per_stage = decoder.config.num_layers // 2
+    budget = 10 * 16 * per_stage * ModelRunner.kv_bytes_per_layer_token(decoder)
+    small = {"kv_memory_gib": budget / 2**30, "pipeline_parallel_size": 2}
+    with LLM(path, dtype="float32", kv_cache_dtype="float32", **small) as llm:
+        assert llm.engine.pool.num_blocks == 10
+        got = llm.generate(prompts, greedy(40))
+        counters = stats(llm.engine)
+    assert [out.token_ids for out in got] == expected
+    assert counters["preemptions_total"] > 0 and counters["steps_overlapped_total"] > 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,21 @@ log = logging.getLogger("gapless.engine")
 
 class EngineFailed(RuntimeError):
     """The engine can run no more steps (a tensor-parallel rank failed)."""
+
+
+@dataclass
+class InFlight:
+    """A pipeline's step launched and not yet completed."""
+
+    plan: StepPlan
+    rows: Callable[[], list[tuple[ScheduledChunk, torch.Tensor]]]  # waits for the last stage
+    features: list[float]  # the cost model's, taken at launch
+    started: float
+
+    def requests(self) -> set[Request]:
+        """Every request whose state the step's update moves: its chunks' and their forks'."""
+        forks = [child for f in self.plan.forks for child in (*f.children, *f.waiting)]
+        return {c.request for c in self.plan.chunks} | set(forks)
 
 
 class Engine:
@@ -97,7 +114,14 @@ class Engine:
             encode_cost,
             None if self.draft is None else self.draft.unseen,
             itl_targets,
+            config.pipeline_parallel_size,
         )
+        # A pipeline of P stages keeps up to P steps in flight, over disjoint requests: while
+        # the later stages run one, rank 0 runs its stage of the next (step()).
+        self.max_in_flight = config.pipeline_parallel_size
+        self._in_flight: deque[InFlight] = deque()
+        self._cancel_on_completion: set[Request] = set()  # cancelled while in flight
+        self.steps_overlapped = 0  # steps launched while another was in flight
         self.metrics = EngineMetrics(ttft_targets, itl_targets)
         self.num_steps = 0
         # The last step that ran: its decode tokens, prompt tokens and wall time (summary()).
@@ -191,7 +215,17 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.intake.pending or self.scheduler.waiting or self.scheduler.running)
+        return bool(
+            self.intake.pending
+            or self.scheduler.waiting
+            or self.scheduler.running
+            or self._in_flight
+        )
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps launched and not yet completed (up to the pipeline's stages)."""
+        return len(self._in_flight)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -199,21 +233,71 @@ class Engine:
         """One hybrid forward over everything scheduled, then one token per finished prompt
         or decode, and for a decode with proposed tokens, one more per accepted proposal. A
         failure is isolated to the requests it comes from: the others in the batch continue
-        with the tokens they would have had."""
+        with the tokens they would have had. A pipeline's step launches a micro-batch and
+        completes the oldest in flight (_step_in_flight)."""
         self._take_incoming()
+        if self.max_in_flight > 1:
+            return self._step_in_flight()
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         self._propose(plan)
         if not plan.chunks:
             return self.emitter.take_events()
         features = plan_features(plan)  # before the update moves num_computed
+        self._complete(plan, self._execute(plan), features, started)
+        return self.emitter.take_events()
+
+    def _step_in_flight(self) -> list[Event]:
+        """Launches a micro-batch of the requests that have no step in flight, if there is
+        room and work; then, when the pipeline is full or nothing was launched, completes the
+        oldest step in flight. A request's next step needs its last one's token, so the
+        micro-batches are disjoint, and each stage runs them in launch order."""
+        launched = False
+        if len(self._in_flight) < self.max_in_flight:
+            launched = self._launch()
+        if self._in_flight and (not launched or len(self._in_flight) == self.max_in_flight):
+            step = self._in_flight.popleft()
+            rows = step.rows()
+            requests = step.requests()
+            self.scheduler.in_flight -= requests
+            for req in requests & self._cancel_on_completion:
+                self.emitter.finish(req, "cancelled")
+            self._cancel_on_completion -= requests
+            computed = [(c, r) for c, r in rows if not self.emitter.has_ended(c.request)]
+            self._complete(step.plan, computed, step.features, step.started)
+        return self.emitter.take_events()
+
+    def _launch(self) -> bool:
+        """Plans a micro-batch and launches its forward; False if there was nothing to plan.
+        (What pipeline parallelism refuses leaves no encodes and no draft model here.)"""
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        self._propose(plan)
+        if not plan.chunks:
+            return False
+        self.steps_overlapped += bool(self._in_flight)
+        features = plan_features(plan)
+        chunks = plan.chunks
+        logits = self.runner.launch(chunks, self._every_row(chunks))
+        step = InFlight(plan, lambda: list(zip(chunks, logits(), strict=True)), features, started)
+        self.scheduler.in_flight |= step.requests()
+        self._in_flight.append(step)
+        return True
+
+    def _complete(
+        self,
+        plan: StepPlan,
+        computed: list[tuple[ScheduledChunk, torch.Tensor]],
+        features: list[float],
+        started: float,
+    ) -> None:
+        """Reads the rows of the plan's computed chunks, samples, and books the step."""
         outcome = StepOutcome()
-        runs = self._execute(plan, outcome)
+        runs = self._read_rows(plan, computed, outcome)
         self._sample_runs(runs, outcome)
         outcome.finished = self.emitter.take_ended()
         self.runner.copy_blocks(self.scheduler.update(plan, outcome))
         self._observe_step(plan, features, time.perf_counter() - started)
-        return self.emitter.take_events()
 
     def _propose(self, plan: StepPlan) -> None:
         """The draft model's part of the plan: it forgets what it held for the requests the
@@ -226,19 +310,26 @@ class Engine:
         if plan.drafts:
             self.scheduler.verify(plan, self.draft.propose(plan.drafts))
 
-    def _execute(
-        self, plan: StepPlan, outcome: StepOutcome
-    ) -> list[tuple[Request, torch.Tensor, list[int]]]:
-        """Runs the plan's encodes and its forward, and reads each computed chunk's rows.
-        Returns each request that samples now with its rows to sample and its proposals."""
+    def _execute(self, plan: StepPlan) -> list[tuple[ScheduledChunk, torch.Tensor]]:
+        """Runs the plan's encodes and its forward: each computed chunk with its rows."""
         for chunk in [c for c in plan.chunks if not c.num_tokens]:  # an encode alone: no rows
             try:
                 self.runner.encode(chunk)
             except Exception as exc:
                 self.emitter.fail(chunk.request, exc)
+        return self._forward([c for c in plan.chunks if c.num_tokens])
+
+    def _read_rows(
+        self,
+        plan: StepPlan,
+        computed: list[tuple[ScheduledChunk, torch.Tensor]],
+        outcome: StepOutcome,
+    ) -> list[tuple[Request, torch.Tensor, list[int]]]:
+        """Reads each computed chunk's rows. Returns each request that samples now with its
+        rows to sample and its proposals."""
         forks = {fork.parent: fork for fork in plan.forks}
         runs: list[tuple[Request, torch.Tensor, list[int]]] = []
-        for chunk, rows in self._forward([c for c in plan.chunks if c.num_tokens]):
+        for chunk, rows in computed:
             outcome.computed.append(chunk)
             try:
                 # A draft's chunk has a row per token; the last 1 + len(draft) are sampled.
@@ -264,13 +355,9 @@ class Engine:
         harmless: the same tokens write the same values.)"""
         if not chunks:
             return []
-        every_row = [
-            c.request.num_computed < len(c.request.prompt_ids)
-            and c.request.params.prompt_logprobs is not None
-            for c in chunks
-        ]
+        every_row = self._every_row(chunks)
         try:
-            logits = self.runner.execute(chunks, {i for i, e in enumerate(every_row) if e})
+            logits = self.runner.execute(chunks, every_row)
             return list(zip(chunks, logits, strict=True))
         except RankFailed:
             raise  # not the chunks' fault, and the ranks can run nothing more
@@ -280,12 +367,23 @@ class Engine:
                 return []
             log.exception("a forward of %d chunks failed: running them one at a time", len(chunks))
         survivors = []
-        for chunk, every in zip(chunks, every_row, strict=True):
+        for i, chunk in enumerate(chunks):
             try:
-                survivors.append((chunk, self.runner.execute([chunk], {0} if every else set())[0]))
+                every = {0} if i in every_row else set()
+                survivors.append((chunk, self.runner.execute([chunk], every)[0]))
             except Exception as exc:
                 self.emitter.fail(chunk.request, exc)
         return survivors
+
+    @staticmethod
+    def _every_row(chunks: list[ScheduledChunk]) -> set[int]:
+        """The chunks whose every row's logits are read: prompts asking for prompt logprobs."""
+        return {
+            i
+            for i, c in enumerate(chunks)
+            if c.request.num_computed < len(c.request.prompt_ids)
+            and c.request.params.prompt_logprobs is not None
+        }
 
     def _read(self, chunk: ScheduledChunk, rows: torch.Tensor, fork: Fork | None) -> list[Request]:
         """Reads a computed chunk's rows (prompt logprobs, pooling, progress); returns the
@@ -373,7 +471,11 @@ class Engine:
         return sampled
 
     def fail_all(self, error: str) -> list[Event]:
-        """Ends every live request with an error, releasing its KV; the engine stays usable."""
+        """Ends every live request with an error, releasing its KV; the engine stays usable.
+        The steps in flight are dropped (after a failed rank, none completes)."""
+        self._in_flight.clear()
+        self.scheduler.in_flight.clear()
+        self._cancel_on_completion.clear()
         self._take_incoming()
         for req in self.intake.live():
             self.emitter.finish(req, "error", error)
@@ -385,7 +487,10 @@ class Engine:
         for req in incoming:
             self.scheduler.add(req)
         for req in cancelled:
-            self.emitter.finish(req, "cancelled")
+            if req in self.scheduler.in_flight:
+                self._cancel_on_completion.add(req)  # its step still writes its KV blocks
+            else:
+                self.emitter.finish(req, "cancelled")
         self.scheduler.finish(self.emitter.take_ended())
 
 

@@ -32,6 +32,8 @@ def stats(engine: Engine) -> dict[str, int]:
         "preemptions_total": scheduler.preemptions,
         "speculative_proposed_tokens_total": metrics.speculative_proposed_tokens,
         "speculative_accepted_tokens_total": metrics.speculative_accepted_tokens,
+        "steps_in_flight": engine.steps_in_flight,
+        "steps_overlapped_total": engine.steps_overlapped,
     }
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -210,23 +212,37 @@ class ModelRunner:
         chunk returns instead its hidden states after the final norm, float32 [1, hidden]: its
         last token's (pooling `last`), or the sum of its tokens' (`mean`).
         """
+        return self.launch(chunks, all_logits)()
+
+    def launch(
+        self, chunks: list[ScheduledChunk], all_logits: set[int]
+    ) -> Callable[[], list[torch.Tensor]]:
+        """execute() in two halves: this one sends the chunks on and runs this rank's part of
+        their forward; the one it returns gives what execute() returns. Between the two, a
+        pipeline's rank 0 may launch other chunks (never the same requests': each step reads
+        the K/V the one before wrote)."""
         # Decodes (and verifications, which attend as decodes) go first so that they form one
         # contiguous block of rows: one attention call.
         order = sorted(
             range(len(chunks)), key=lambda i: chunks[i].num_tokens != 1 and not chunks[i].draft
         )
         inputs = [self._input(chunks[i], i in all_logits) for i in order]
-        all_logits_rows, all_hidden = self.run(inputs)
-        logits = all_logits_rows.split([c.num_rows for c in inputs])
-        hidden = ()
-        if all_hidden is not None:
-            hidden = all_hidden.split([c.num_hidden_rows for c in inputs])
-        by_chunk: list[torch.Tensor] = [logits[0]] * len(chunks)
-        for position, i in enumerate(order):
-            if inputs[position].hidden is None:
-                by_chunk[i] = logits[position]
-            else:  # one row for "last"
-                by_chunk[i] = hidden[position].sum(0, keepdim=True)
+        pending = self.start(inputs)
+
+        def by_chunk() -> list[torch.Tensor]:
+            all_logits_rows, all_hidden = pending()
+            logits = all_logits_rows.split([c.num_rows for c in inputs])
+            hidden = ()
+            if all_hidden is not None:
+                hidden = all_hidden.split([c.num_hidden_rows for c in inputs])
+            rows: list[torch.Tensor] = [logits[0]] * len(chunks)
+            for position, i in enumerate(order):
+                if inputs[position].hidden is None:
+                    rows[i] = logits[position]
+                else:  # one row for "last"
+                    rows[i] = hidden[position].sum(0, keepdim=True)
+            return rows
+
         return by_chunk
 
     def run(self, inputs: list[ChunkInput]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -234,12 +250,37 @@ class ModelRunner:
         states of their hidden rows (None if none has any). Under tensor or pipeline
         parallelism, rank 0 first sends them to the other ranks, which call this with them;
         then any failure is a rank's."""
+        return self.start(inputs)()
+
+    def start(
+        self, inputs: list[ChunkInput]
+    ) -> Callable[[], tuple[torch.Tensor, torch.Tensor | None]]:
+        """run() in two halves (Decoder.start): rank 0's broadcast of the inputs is waited for
+        only in the second, so that a pipeline's later stages may take them while rank 0
+        runs its stage."""
+        parallel = self.decoder.ranks
+        sent = None
+        with self._failures_are_ranks():
+            if parallel is not None and parallel.rank == 0:
+                sent = parallel.post(inputs)
+            batch = self._build(inputs)
+            logits = self.decoder.start(batch, self.kv_cache)
+
+        def result() -> tuple[torch.Tensor, torch.Tensor | None]:
+            with self._failures_are_ranks():
+                if sent is not None:
+                    sent()
+                return logits(), batch.hidden
+
+        return result
+
+    @contextmanager
+    def _failures_are_ranks(self) -> Iterator[None]:
+        """Under tensor or pipeline parallelism any failure of a forward is a rank's: the
+        ranks' collectives are out of step, and no further step can run."""
         parallel = self.decoder.ranks
         try:
-            if parallel is not None and parallel.rank == 0:
-                parallel.broadcast(inputs)
-            batch = self._build(inputs)
-            return self.decoder.forward(batch, self.kv_cache), batch.hidden
+            yield
         except Exception as exc:
             if parallel is None:
                 raise

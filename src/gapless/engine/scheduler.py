@@ -212,13 +212,15 @@ class Scheduler:
         encode_cost: Callable[[int, int], int] | None = None,
         draft_unseen: Callable[[Request], int] | None = None,
         itl_targets: dict[str, float] | None = None,
+        micro_batches: int = 1,
     ) -> None:
         """`pool` and `window`: KV group 0's (kv/groups.py), whose blocks are each request's
         block_table; `window_groups`: the sliding-window groups of a hybrid model, whose blocks
         are its window_tables. `draft_unseen`: with a draft model, how many of a request's
         tokens it has yet to read (DraftModel.unseen); None: proposals come by prompt lookup.
         `itl_targets`: seconds between tokens by service class, which prefill_budget sizes a
-        step's prompt tokens for (EngineConfig.latency_targets)."""
+        step's prompt tokens for (EngineConfig.latency_targets). `micro_batches`: how many
+        steps a pipeline keeps in flight; each then plans about that share of the decodes."""
         self.config = config
         self.policy = PREFILL_POLICIES[config.prefill_policy]
         self.fair_share = FairShare()
@@ -238,6 +240,10 @@ class Scheduler:
         self._preempted: list[Request] = []  # in this step, for its plan
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admitted: prefilling or decoding
+        # Requests of the steps in flight (the engine's): planned for no chunk, preempted by
+        # no one, until their step's update.
+        self.in_flight: set[Request] = set()
+        self.micro_batches = micro_batches
         self._admissions = 0
         self.steps = 0
         self.prefix_hit_tokens = 0
@@ -267,7 +273,7 @@ class Scheduler:
         decodes = self._schedule_decodes()
         self.steps += 1
         candidates = [r for r in self.running if r.state is RequestState.PREFILLING]
-        candidates += self.waiting
+        candidates = [r for r in candidates if r not in self.in_flight] + self.waiting
         self.fair_share.order(candidates)
         candidates.sort(
             key=lambda r: (urgency(r), self.fair_share.key(r), self.policy.key(r, self.steps))
@@ -479,13 +485,19 @@ class Scheduler:
 
     def _schedule_decodes(self) -> list[ScheduledChunk]:
         """A token for each decode, in precedence order, so that a victim of preemption (the
-        last by precedence) is never one already given its token this step."""
+        last by precedence) is never one already given its token this step. With steps in
+        flight, only the decodes of none, and a micro-batch's share of all decodes at most:
+        the others make the next micro-batch."""
+        decoding = [r for r in self.running if r.state is RequestState.DECODING]
+        share = -(-len(decoding) // self.micro_batches)
         chunks = []
-        for request in sorted(self.running, key=precedence):
-            if request.state is not RequestState.DECODING or request not in self.running:
+        for request in sorted(decoding, key=precedence):
+            if len(chunks) == share:
+                break
+            if request not in self.running or request in self.in_flight:
                 continue
             while not self._reserve(request, 1):
-                victim = max(self.running, key=precedence)
+                victim = max(self._preemptible(), key=precedence)
                 self.preempt(victim)
                 if victim is request:
                     break
@@ -502,7 +514,7 @@ class Scheduler:
         for request in sorted(self.waiting, key=urgency):
             fair = False
             while not self._has_room(request):
-                victim = max(self.running, key=precedence, default=None)
+                victim = max(self._preemptible(), key=precedence, default=None)
                 if victim is None or urgency(victim) < urgency(request):
                     return
                 if urgency(victim) == urgency(request):
@@ -527,7 +539,12 @@ class Scheduler:
         )
         if fullest is None or running[fullest] < running[share] + 2:
             return None
-        return max((r for r in self.running if _share(r) == fullest), key=precedence)
+        mine = [r for r in self._preemptible() if _share(r) == fullest]
+        return max(mine, key=precedence, default=None)
+
+    def _preemptible(self) -> list[Request]:
+        """The running requests whose KV no step in flight uses."""
+        return [r for r in self.running if r not in self.in_flight]
 
     def _has_room(self, request: Request) -> bool:
         if len(self.running) >= self.config.max_num_seqs:

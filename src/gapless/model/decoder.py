@@ -221,12 +221,19 @@ class Decoder:
         # The group's ranks, whatever the split: rank 0 broadcasts each step's inputs on them.
         self.ranks = stage.ranks if stage else parallel
 
-    @torch.inference_mode()
     def forward(self, batch: BatchInput, kv_cache: list[KVCache]) -> torch.Tensor:
         """Runs the batch, writes its K/V into kv_cache, returns float32 logits [R, vocab]
         (and sets batch.hidden when it has hidden_rows). A pipeline stage runs its layers
         between the stages before and after it; there rank 0 returns the last stage's logits,
         and the other stages what they computed (the last its logits, others nothing)."""
+        return self.start(batch, kv_cache)()
+
+    @torch.inference_mode()
+    def start(self, batch: BatchInput, kv_cache: list[KVCache]) -> Callable[[], torch.Tensor]:
+        """forward() in two halves: this one runs what this rank computes of the batch, and
+        returns the other, which gives the logits. Only a pipeline's rank 0 has anything left
+        to wait for then: the last stage's logits, which it may receive after starting further
+        batches (up to one a stage in flight, engine.py)."""
         step = Step(batch, self.kernels, self.dtype, self.all_reduce)
         stage, cfg = self.stage, self.config
         if stage is None or stage.first:
@@ -235,20 +242,25 @@ class Decoder:
             x = stage.receive_hidden(len(batch.token_ids), cfg.hidden_size, self.dtype)
         for layer, cache in zip(self.layers, kv_cache, strict=True):
             x = layer.forward(x, step, cache)
-        if stage is None:
-            return self._head(x, batch)
-        if stage.last:
+        if stage is None or stage.last:
             logits = self._head(x, batch)
-            stage.send_result(logits, batch.hidden)
-            return logits
-        stage.send_hidden(x)
-        if stage.ranks.rank == 0:
+            if stage is not None:
+                stage.send_result(logits, batch.hidden)
+            return lambda: logits
+        sent = stage.send_hidden(x)
+        if stage.ranks.rank != 0:
+            sent()
+            return lambda: x.new_empty(0, cfg.vocab_size)
+
+        def result() -> torch.Tensor:
+            sent()
             hidden_rows = None if batch.hidden_rows is None else len(batch.hidden_rows)
             logits, batch.hidden = stage.receive_result(
                 len(batch.logit_rows), cfg.vocab_size, hidden_rows, cfg.hidden_size
             )
             return logits
-        return x.new_empty(0, cfg.vocab_size)
+
+        return result
 
     def _embed(self, batch: BatchInput) -> torch.Tensor:
         assert self.embed is not None  # every decoder's but a later pipeline stage's

@@ -79,15 +79,28 @@ class TensorParallel:
     def broadcast(self, message: object = None) -> object:
         """Rank 0's message, on every rank: its pickle's length, then the pickle."""
         if self.rank == 0:
-            data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
-            length = torch.tensor([data.numel()])
-        else:
-            length = torch.zeros(1, dtype=torch.int64)
+            self.post(message)()
+            return message
+        length = torch.zeros(1, dtype=torch.int64)
         self.control.broadcast([length]).wait()
-        if self.rank:
-            data = torch.empty(int(length), dtype=torch.uint8)
+        data = torch.empty(int(length), dtype=torch.uint8)
         self.control.broadcast([data]).wait()
-        return message if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+        return pickle.loads(data.numpy().tobytes())
+
+    def post(self, message: object) -> Callable[[], None]:
+        """Rank 0: starts broadcasting the message and returns at once, with what waits until
+        every rank has it. A pipeline's rank 0 goes on with its stage of the next step while
+        the later stages still run the one before, which take the message when they are done
+        with it (gloo runs the broadcast on its own threads, in order)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
+        length = torch.tensor([data.numel()])
+        works = [self.control.broadcast([length]), self.control.broadcast([data])]
+
+        def wait() -> None:
+            for work in works:
+                work.wait()
+
+        return wait
 
 
 def check_shardable(cfg: ModelConfig, size: int) -> None:

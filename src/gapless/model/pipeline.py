@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -106,8 +107,10 @@ class Stage:
         self.ranks.steps.recv([x], self.ranks.rank - self.width, 0).wait()
         return x
 
-    def send_hidden(self, x: torch.Tensor) -> None:
-        self.ranks.steps.send([x.contiguous()], self.ranks.rank + self.width, 0).wait()
+    def send_hidden(self, x: torch.Tensor) -> Callable[[], object]:
+        """Starts sending to the same shard's rank of the next stage; returns what waits for
+        the send to complete."""
+        return self.ranks.steps.send([x.contiguous()], self.ranks.rank + self.width, 0).wait
 
     def send_result(self, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
         """The last stage's logits, and hidden rows if any, to rank 0, from the stage's first

@@ -22,6 +22,8 @@ _HELP = {
     "prefix_cache_queried_tokens_total": "Prompt tokens looked up in the prefix cache.",
     "speculative_proposed_tokens_total": "Proposed tokens verified by speculative decoding.",
     "speculative_accepted_tokens_total": "Proposed tokens accepted: the output's own tokens.",
+    "steps_in_flight": "Pipeline steps launched and not yet completed.",
+    "steps_overlapped_total": "Pipeline steps launched while another was in flight.",
 }
 
 
