@@ -283,30 +283,16 @@ def hf_inputs(hf_processor, images: list[Image.Image], ids: list[int]) -> dict:
     return inputs
 
 
-def runner_with_images(model: VisionLanguageModel, placed: PromptImages) -> ModelRunner:
-    """A runner whose every forward gives the rows of the image regions their embeddings, and
-    (Qwen2.5-VL) every row its M-RoPE positions, as the engine is to give them."""
-    decoder = model.decoder
-
-    def with_images(batch, kv_cache):
-        start = int(batch.positions[0])
-        end = start + len(batch.positions)
-        batch.embeds = chunk_embeds(placed.regions, start, end)
-        batch.rope_positions = placed.positions(start, end)
-        return type(decoder).forward(decoder, batch, kv_cache)
-
-    decoder.forward = with_images  # type: ignore[method-assign]
-    return ModelRunner(decoder, 16, 16)
-
-
 def with_images(seq: Seq, model: VisionLanguageModel, placed: PromptImages) -> Seq:
-    """The request holding the prompt's images, encoded, as the engine's does: the runner then
-    lets a Gemma 3 image's tokens attend to each other both ways."""
+    """The request holding the prompt's images, encoded, and (Qwen2.5-VL) its M-RoPE positions,
+    as admission gives them: the runner then puts the embeddings at the image regions' rows,
+    and lets a Gemma 3 image's tokens attend to each other both ways."""
     seq.req.images = tuple(
         PromptImage(r.start, r.end - r.start, None, r.key, model.bidirectional_images)  # type: ignore[arg-type]
         for r in placed.regions
     )
     seq.req.image_embeds = {i: r.embeds for i, r in enumerate(placed.regions)}
+    seq.req.rope_positions = placed.rope_positions
     return seq
 
 
@@ -330,7 +316,7 @@ def run_prompt(
 ) -> torch.Tensor:
     """Logits of every prompt position, the prompt run in chunks of these sizes."""
     runner, seq, out = (
-        runner_with_images(model, placed),
+        ModelRunner(model.decoder, 16, 16),
         with_images(Seq(ids, 0), model, placed),
         [],
     )
@@ -382,7 +368,7 @@ def test_two_images_prompt_and_greedy_tokens_equal_transformers(vlm, name: str) 
     chunked = run_prompt(ours, ids, placed, chunk_sizes(ours, ids, placed))
     assert (chunked - whole).abs().max().item() < 1e-4
 
-    runner = runner_with_images(ours, placed)
+    runner = ModelRunner(ours.decoder, 16, 16)
     seq = with_images(Seq(ids, 0), ours, placed)
     seq.req.block_table = list(range(16))
     logits, got = runner.execute([seq.chunk(len(ids))], set())[0], []
