@@ -1,15 +1,16 @@
-"""Pipeline parallelism's decode throughput: 8 streams decoding at P=2 (one thread per stage)
-against one rank with 2 threads, and the pipeline's bubble.
+"""Pipeline parallelism through the engine, with its steps in flight: 8 streams' decode
+tokens/s at P=2 (one thread per stage) against one rank on 2 threads, and the longest gap in
+4 streams' tokens while a long prompt arrives, at the same prompt budget.
 
     gapless bench make-model /tmp/q05 --preset qwen2.5-0.5b --seed 0
     flock /work/bench.lock .venv/bin/python scripts/measure_pipeline.py /tmp/q05
 
-Both runners live in this process (rank 0, stage 0 of a 2-rank group; the one-rank runner
-uses its threads while the worker waits) and their steps alternate, so that a shared
-machine's load hits both alike. Each times the decode step of `--streams` sequences after
-`--history` tokens. The one-rank runner also runs on 1 thread: that step's time is the work
-both stages do between them (each on one thread), so the bubble, the share of the two stage
-threads' time spent idle, is 1 - (one rank, 1 thread) / (2 x the P=2 step).
+Every arm lives in this process (the P=2 engine's rank 0 here, its stage 1 a spawned worker
+that waits idle while the others run) and the arms alternate round by round, so that a
+shared machine's load hits them alike. torch's thread count is the process's: each arm sets
+its own before it runs. One rank on 1 thread runs micro-batches of 8 / P streams: the work
+the two stages share between them, so the bubble, the share of the two stage threads' time
+spent idle, is 1 - (that step) x P / (2 x the P=2 time per 8 / P tokens of each stream).
 """
 
 from __future__ import annotations
@@ -17,33 +18,77 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
-from gapless.bench.harness import Harness
-from gapless.engine import distributed
-from gapless.engine.builder import what_ranks_load
-from gapless.engine.config import EngineConfig
-from gapless.engine.request import Request
-from gapless.engine.runner import ModelRunner
-from gapless.model.checkpoint import load_model
+from gapless.engine.events import FinishedEvent, TokenEvent
+from gapless.engine.llm import LLM
+from gapless.engine.sampling_params import SamplingParams
 
 
-def staged_runner(path: str, dtype: str, blocks: int) -> ModelRunner:
-    parallel = distributed.start(2, distributed.Launch(threads=1)).parallel
-    load = what_ranks_load(path, EngineConfig(dtype=dtype, pipeline_parallel_size=2))
-    parallel.broadcast(load)
-    decoder, _ = load.load(parallel)
-    parallel.broadcast(distributed.AllocateKV(blocks, 16))
-    print(f"stages hold {load.pipeline_layers} layers", flush=True)
-    return ModelRunner(decoder, blocks, 16)
+def prompt(seed: int, n: int, vocab: int) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def decoding(harness: Harness, streams: int, history: int) -> list[Request]:
-    """Sequences whose next step is a decode after `history` tokens (their KV computed here)."""
-    requests = [harness.request(list(range(3, 3 + history + 1))) for _ in range(streams)]
-    harness.step([(r, history) for r in requests])
-    return requests
+def run_until(llm: LLM, threads: int, done: Callable[[], bool], on_event: Callable) -> None:
+    torch.set_num_threads(threads)
+    while not done():
+        for event in llm.engine.step():
+            on_event(event, time.perf_counter())
+
+
+def decode_rate(llm: LLM, threads: int, streams: int, tokens: int, vocab: int) -> float:
+    """Decode tokens/s of `streams` greedy streams (128-token prompts), counted from the step
+    after every stream has its first token."""
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    ids = {llm.engine.add_request(prompt(i, 128, vocab), params) for i in range(streams)}
+    first: set[str] = set()
+    counted, finished, start = 0, set(), 0.0
+
+    def on_event(event: object, now: float) -> None:
+        nonlocal counted, start
+        if isinstance(event, TokenEvent) and event.request_id in ids:
+            if len(first) == streams:
+                counted += len(event.token_ids)
+            first.add(event.request_id)
+            if len(first) == streams and not start:
+                start = now
+        elif isinstance(event, FinishedEvent):
+            finished.add(event.request_id)
+
+    run_until(llm, threads, lambda: len(finished) == streams, on_event)
+    return counted / (time.perf_counter() - start)
+
+
+def stall(llm: LLM, threads: int, long_tokens: int, vocab: int) -> tuple[float, float]:
+    """The longest gap between consecutive tokens of 4 decoding streams while a
+    `long_tokens` prompt prefills beside them, and that prompt's time to first token."""
+    params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+    streams = [llm.engine.add_request(prompt(100 + i, 64, vocab), params) for i in range(4)]
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    long_id, arrived, first_token = "", 0.0, 0.0
+
+    def on_event(event: object, now: float) -> None:
+        nonlocal first_token
+        if not isinstance(event, TokenEvent):
+            return
+        if event.request_id == long_id:
+            first_token = now
+        elif event.request_id in last and long_id:
+            gaps.append(now - last[event.request_id])
+        last[event.request_id] = now
+
+    steps = iter(range(20))  # the streams decode a while first
+    run_until(llm, threads, lambda: next(steps, None) is None, on_event)
+    arrived = time.perf_counter()
+    long_id = llm.engine.add_request(prompt(7, long_tokens, vocab), SamplingParams(max_tokens=1))
+    run_until(llm, threads, lambda: bool(first_token), on_event)
+    for rid in streams:
+        llm.engine.cancel(rid)
+    run_until(llm, threads, lambda: not llm.engine.has_work, lambda *_: None)
+    return max(gaps), first_token - arrived
 
 
 def main() -> None:
@@ -51,40 +96,49 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--history", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64, help="each decoding stream's")
+    ap.add_argument("--long-tokens", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pipeline-layers", help="the stages' layers (default: split by bytes)")
     args = ap.parse_args()
-    # Each runner's sequences: the one rank's twice (it runs two arms).
-    blocks = 2 * args.streams * -(-(args.history + 1) // 16)
-    staged = staged_runner(args.model, args.dtype, blocks)
-    one = Harness(ModelRunner(load_model(args.model, args.dtype)[0], blocks, 16))
+    common = {"dtype": args.dtype, "speculate": "none", "max_model_len": args.long_tokens + 256}
+    split = {"pipeline_layers": args.pipeline_layers} if args.pipeline_layers else {}
+    staged = LLM(args.model, pipeline_parallel_size=2, **split, **common)
+    one = LLM(args.model, num_threads=2, **common)
+    vocab = min(one.engine.decoder.config.vocab_size, one.tokenizer.vocab_size)
+    half = args.streams // 2
     arms = {
-        "one rank, 2 threads": (one, 2),
-        "one rank, 1 thread": (one, 1),
-        "P=2, 1 thread each": (Harness(staged), 1),
+        "one rank, 2 threads": (one, 2, args.streams),
+        f"one rank, 1 thread, {half} streams": (one, 1, half),
+        "P=2, 1 thread a stage": (staged, 1, args.streams),
     }
-    requests = {name: decoding(h, args.streams, args.history) for name, (h, _) in arms.items()}
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    for i in range(args.repeats + 1):  # the first round warms up
-        for name, (harness, threads) in arms.items():
-            torch.set_num_threads(threads)
-            start = time.perf_counter()
-            harness.step([(r, 1) for r in requests[name]], book=False)
-            elapsed = time.perf_counter() - start
-            if i:
-                times[name].append(elapsed)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    for name, t in times.items():
-        tokens_s = args.streams / medians[name]
-        print(
-            f"{name}: step min {min(t) * 1000:7.1f} ms, median {medians[name] * 1000:7.1f} ms,"
-            f" {tokens_s:6.1f} tokens/s",
-            flush=True,
-        )
-    two_threads, one_thread, staged_s = medians.values()
-    print(f"P=2 tokens/s / one rank's on 2 threads: {two_threads / staged_s:.2f}")
-    print(f"bubble: {1 - one_thread / (2 * staged_s):.0%} of the two stage threads' time")
-    distributed.stop_all()
+    rates: dict[str, list[float]] = {name: [] for name in arms}
+    stalls: dict[str, list[tuple[float, float]]] = {name: [] for name in (*arms,)}
+    for _ in range(args.rounds):
+        for name, (llm, threads, streams) in arms.items():
+            rates[name].append(decode_rate(llm, threads, streams, args.tokens, vocab))
+            print(f"{name}: {rates[name][-1]:.1f} decode tokens/s", flush=True)
+        for name in ("one rank, 2 threads", "P=2, 1 thread a stage"):
+            llm, threads, _ = arms[name]
+            stalls[name].append(stall(llm, threads, args.long_tokens, vocab))
+            gap, ttft = stalls[name][-1]
+            print(f"{name}: max gap {gap * 1e3:.0f} ms, long TTFT {ttft:.2f} s", flush=True)
+    rate = {name: statistics.median(r) for name, r in rates.items()}
+    two_threads, one_thread, p2 = rate.values()
+    print(f"\nmedians of {args.rounds} rounds, {args.streams} streams of {args.tokens} tokens:")
+    for name, r in rate.items():
+        print(f"  {name}: {r:.1f} tokens/s")
+    print(f"P=2 / one rank on 2 threads: {p2 / two_threads:.2f}")
+    # One rank on one thread makes `half` tokens per step; the stages' threads together
+    # have 2 / p2 thread-seconds per token, of which 1 / one_thread is work.
+    print(f"bubble: {1 - (p2 / one_thread) / 2:.0%} of the two stage threads' time")
+    for name in ("one rank, 2 threads", "P=2, 1 thread a stage"):
+        gap = statistics.median(g for g, _ in stalls[name])
+        ttft = statistics.median(t for _, t in stalls[name])
+        print(f"  {name}: max gap {gap * 1e3:.0f} ms, long TTFT {ttft:.2f} s (medians)")
+    gaps = [statistics.median(g for g, _ in stalls[n]) for n in stalls if stalls[n]]
+    print(f"P=2 max gap / one rank's: {gaps[1] / gaps[0]:.2f}")
+    staged.close()
 
 
 if __name__ == "__main__":

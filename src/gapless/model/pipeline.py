@@ -78,7 +78,10 @@ class Stage:
         return name == FINAL_NORM or (name == LM_HEAD and self.last)
 
     def local_weights(self, w: dict[str, object]) -> dict[str, object]:
-        """The stage's tensors with its layers numbered from 0, as its build reads them."""
+        """The stage's tensors with its layers numbered from 0, as its build reads them. `w` is
+        emptied: the build frees each float tensor once its linear holds a packed copy, which
+        it could not while the loader's dict still held them all (the stage's load peaked at
+        twice its weights)."""
         first = self.layers.start
 
         def local(name: str) -> str:
@@ -87,7 +90,7 @@ class Stage:
                 return name
             return f"model.layers.{int(found[1]) - first}.{name[found.end() :]}"
 
-        return {local(name): weight for name, weight in w.items()}
+        return {local(name): w.pop(name) for name in list(w)}
 
     def config(self, cfg: ModelConfig) -> ModelConfig:
         """The model's configuration as the stage's layers alone make it up."""
