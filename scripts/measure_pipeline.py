@@ -61,9 +61,10 @@ def decode_rate(llm: LLM, threads: int, streams: int, tokens: int, vocab: int) -
     return counted / (time.perf_counter() - start)
 
 
-def stall(llm: LLM, threads: int, long_tokens: int, vocab: int) -> tuple[float, float]:
+def stall(llm: LLM, threads: int, long_tokens: int, vocab: int, seed: int) -> tuple[float, float]:
     """The longest gap between consecutive tokens of 4 decoding streams while a
-    `long_tokens` prompt prefills beside them, and that prompt's time to first token."""
+    `long_tokens` prompt prefills beside them, and that prompt's time to first token. The
+    prompt is new to the arm (`seed`): the prefix cache holds the earlier rounds'."""
     params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
     streams = [llm.engine.add_request(prompt(100 + i, 64, vocab), params) for i in range(4)]
     last: dict[str, float] = {}
@@ -83,7 +84,7 @@ def stall(llm: LLM, threads: int, long_tokens: int, vocab: int) -> tuple[float, 
     steps = iter(range(20))  # the streams decode a while first
     run_until(llm, threads, lambda: next(steps, None) is None, on_event)
     arrived = time.perf_counter()
-    long_id = llm.engine.add_request(prompt(7, long_tokens, vocab), SamplingParams(max_tokens=1))
+    long_id = llm.engine.add_request(prompt(seed, long_tokens, vocab), SamplingParams(max_tokens=1))
     run_until(llm, threads, lambda: bool(first_token), on_event)
     for rid in streams:
         llm.engine.cancel(rid)
@@ -114,13 +115,13 @@ def main() -> None:
     }
     rates: dict[str, list[float]] = {name: [] for name in arms}
     stalls: dict[str, list[tuple[float, float]]] = {name: [] for name in (*arms,)}
-    for _ in range(args.rounds):
+    for round in range(args.rounds):
         for name, (llm, threads, streams) in arms.items():
             rates[name].append(decode_rate(llm, threads, streams, args.tokens, vocab))
             print(f"{name}: {rates[name][-1]:.1f} decode tokens/s", flush=True)
         for name in ("one rank, 2 threads", "P=2, 1 thread a stage"):
             llm, threads, _ = arms[name]
-            stalls[name].append(stall(llm, threads, args.long_tokens, vocab))
+            stalls[name].append(stall(llm, threads, args.long_tokens, vocab, 1000 + round))
             gap, ttft = stalls[name][-1]
             print(f"{name}: max gap {gap * 1e3:.0f} ms, long TTFT {ttft:.2f} s", flush=True)
     rate = {name: statistics.median(r) for name, r in rates.items()}
