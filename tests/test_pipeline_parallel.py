@@ -30,7 +30,11 @@ from gapless.engine.builder import kv_runner, what_ranks_load
 from gapless.engine.config import EngineConfig
 from gapless.engine.events import FinishedEvent, TokenEvent
 from gapless.engine.observability import stats
+from gapless.engine.plan import StepOutcome
+from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
+from gapless.engine.scheduler import Scheduler, SchedulerConfig
+from gapless.kv.block_pool import BlockPool
 from gapless.model.checkpoint import load_model, read_model_config
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import ShardError, TensorParallel
@@ -307,3 +311,66 @@ def test_preemption_with_steps_in_flight_gives_one_ranks_tokens(checkpoint):
         counters = stats(llm.engine)
     assert [out.token_ids for out in got] == expected
     assert counters["preemptions_total"] > 0 and counters["steps_overlapped_total"] > 0
+
+
+def test_a_long_prompt_beside_decodes_at_two_stages_gives_one_ranks_tokens(checkpoint):
+    # A 60-token prompt arrives while three streams decode: its chunks run in consecutive
+    # micro-batches (the next test), and every request's tokens are one rank's.
+    path = checkpoint("llama")
+    arrivals = {
+        0: [(prompt(12, seed=s), greedy(20)) for s in range(3)],
+        4: [(prompt(60, seed=9), greedy(6))],
+    }
+    one = run_engine(LLM(path, dtype="float32", prefill_chunk=16).engine, arrivals)
+    with LLM(path, dtype="float32", prefill_chunk=16, pipeline_parallel_size=2) as llm:
+        assert run_engine(llm.engine, arrivals) == one
+
+
+def test_a_prompts_next_chunk_runs_in_the_next_micro_batch_and_its_last_waits():
+    # Two micro-batches share the idle budget of 16: chunks of 8, each launched while the one
+    # before is in flight, starting where it ends; once the chunk that completes the prompt
+    # (and samples its first token) is in flight, the request waits for it to land.
+    config = SchedulerConfig(prefill_chunk=16, idle_prefill_chunk=16, enable_prefix_cache=False)
+    scheduler = Scheduler(config, BlockPool(16, 16), micro_batches=2)
+    req = Request("long", prompt(20, seed=1), greedy(4))
+    scheduler.add(req)
+    starts, plans = [], []
+    for _ in range(4):
+        plan = scheduler.schedule()
+        starts += [(req.num_scheduled, c.num_tokens) for c in plan.chunks]
+        if plan.chunks:
+            scheduler.launched(plan, {req})
+            plans.append(plan)
+    # 20 tokens cut in at least two chunks (10 a micro-batch), of at most 8: 8, 8, 4.
+    assert starts == [(0, 8), (8, 8), (16, 4)]
+    assert scheduler.in_flight[req] == 3 and req.num_scheduled == 20
+    for plan in plans:
+        scheduler.landed(plan, {req})
+        scheduler.update(plan, StepOutcome(computed=plan.chunks))
+    assert not scheduler.in_flight and req.num_computed == 20
+
+
+def test_a_prompt_cancelled_with_a_chunk_in_flight_runs_no_more_and_frees_its_blocks(checkpoint):
+    path = checkpoint("llama")
+    with LLM(path, dtype="float32", prefill_chunk=16, pipeline_parallel_size=2) as llm:
+        engine = llm.engine
+        stream = engine.add_request(prompt(12, seed=1), greedy(30))
+        for _ in range(3):
+            engine.step()
+        long = engine.add_request(prompt(60, seed=9), greedy(4))
+        held = []
+        while not held:
+            engine.step()
+            held = [r for r in engine.scheduler.in_flight if r.request_id == long]
+        assert engine.cancel(long)
+        req = held[0]
+        planned = [req.num_scheduled]  # the prompt's tokens launched, after each step
+        reasons = {}
+        while engine.has_work:
+            for event in engine.step():
+                if isinstance(event, FinishedEvent):
+                    reasons[event.request_id] = event.finish_reason
+            planned.append(req.num_scheduled)
+        assert reasons == {stream: "length", long: "cancelled"}
+        assert planned[0] < 60 and max(planned) == planned[0]  # no chunk launched after it
+        assert engine.pool.num_used == 0 and not engine.scheduler.in_flight

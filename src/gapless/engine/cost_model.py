@@ -54,12 +54,12 @@ def step_features(
 
 
 def plan_features(plan: StepPlan) -> list[float]:
-    """The features of a planned step, before its update moves num_computed."""
+    """The features of a planned step, before it launches (Request.num_scheduled)."""
     prompts = [c for c in plan.chunks if not c.request.is_decoding]
     # A draft's tokens attend as decodes do (runner), and cost as much.
     return step_features(
-        [c.request.num_computed + 1 + i for c in plan.decodes for i in range(c.num_tokens)],
-        [(c.num_tokens, c.request.num_computed) for c in prompts],
+        [c.request.num_scheduled + 1 + i for c in plan.decodes for i in range(c.num_tokens)],
+        [(c.num_tokens, c.request.num_scheduled) for c in prompts],
         sum(
             c.request.images[i].length * units / c.request.images[i].units
             for c in plan.chunks

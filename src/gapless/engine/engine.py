@@ -120,7 +120,6 @@ class Engine:
         # the later stages run one, rank 0 runs its stage of the next (step()).
         self.max_in_flight = config.pipeline_parallel_size
         self._in_flight: deque[InFlight] = deque()
-        self._cancel_on_completion: set[Request] = set()  # cancelled while in flight
         self.steps_overlapped = 0  # steps launched while another was in flight
         self.metrics = EngineMetrics(ttft_targets, itl_targets)
         self.num_steps = 0
@@ -250,19 +249,17 @@ class Engine:
     def _step_in_flight(self) -> list[Event]:
         """Launches a micro-batch of the requests that have no step in flight, if there is
         room and work; then, when the pipeline is full or nothing was launched, completes the
-        oldest step in flight. A request's next step needs its last one's token, so the
-        micro-batches are disjoint, and each stage runs them in launch order."""
+        oldest step in flight. Each stage runs them in launch order. A request's next token
+        needs its last one, so a decode is in one micro-batch at a time; a prompt's chunks
+        may follow each other in consecutive ones (Scheduler.schedule)."""
         launched = False
         if len(self._in_flight) < self.max_in_flight:
             launched = self._launch()
         if self._in_flight and (not launched or len(self._in_flight) == self.max_in_flight):
             step = self._in_flight.popleft()
             rows = step.rows()
-            requests = step.requests()
-            self.scheduler.in_flight -= requests
-            for req in requests & self._cancel_on_completion:
+            for req in self.scheduler.landed(step.plan, step.requests()):
                 self.emitter.finish(req, "cancelled")
-            self._cancel_on_completion -= requests
             computed = [(c, r) for c, r in rows if not self.emitter.has_ended(c.request)]
             self._complete(step.plan, computed, step.features, step.started)
         return self.emitter.take_events()
@@ -280,7 +277,7 @@ class Engine:
         chunks = plan.chunks
         logits = self.runner.launch(chunks, self._every_row(chunks))
         step = InFlight(plan, lambda: list(zip(chunks, logits(), strict=True)), features, started)
-        self.scheduler.in_flight |= step.requests()
+        self.scheduler.launched(plan, step.requests())
         self._in_flight.append(step)
         return True
 
@@ -381,7 +378,7 @@ class Engine:
         return {
             i
             for i, c in enumerate(chunks)
-            if c.request.num_computed < len(c.request.prompt_ids)
+            if c.request.num_scheduled < len(c.request.prompt_ids)
             and c.request.params.prompt_logprobs is not None
         }
 
@@ -473,9 +470,9 @@ class Engine:
     def fail_all(self, error: str) -> list[Event]:
         """Ends every live request with an error, releasing its KV; the engine stays usable.
         The steps in flight are dropped (after a failed rank, none completes)."""
-        self._in_flight.clear()
-        self.scheduler.in_flight.clear()
-        self._cancel_on_completion.clear()
+        while self._in_flight:
+            step = self._in_flight.popleft()
+            self.scheduler.landed(step.plan, step.requests())
         self._take_incoming()
         for req in self.intake.live():
             self.emitter.finish(req, "error", error)
@@ -488,7 +485,7 @@ class Engine:
             self.scheduler.add(req)
         for req in cancelled:
             if req in self.scheduler.in_flight:
-                self._cancel_on_completion.add(req)  # its step still writes its KV blocks
+                self.scheduler.cancelled_in_flight.add(req)  # its steps still write its blocks
             else:
                 self.emitter.finish(req, "cancelled")
         self.scheduler.finish(self.emitter.take_ended())

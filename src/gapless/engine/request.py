@@ -66,6 +66,9 @@ class Request:
     state: RequestState = RequestState.WAITING
     arrival_step: int = 0  # the scheduler's step count when it was queued, for aging
     num_computed: int = 0  # leading tokens (prompt, then output) whose K/V is in the cache
+    # Tokens of its chunks in pipeline steps launched and not yet completed: a prompt's next
+    # chunk may run in the next micro-batch (Scheduler.launched), starting after them.
+    num_in_flight: int = 0
     block_table: list[int] = field(default_factory=list)  # -1: released, outside the window
     # A hybrid model's: the block table of each sliding-window KV group (kv/groups.py) but
     # the first, whose is block_table.
@@ -105,6 +108,11 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def num_scheduled(self) -> int:
+        """Where its next chunk starts: past its computed tokens and those in flight."""
+        return self.num_computed + self.num_in_flight
 
     @property
     def reads_every_prompt_row(self) -> bool:

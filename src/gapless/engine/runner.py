@@ -288,7 +288,7 @@ class ModelRunner:
 
     def _input(self, chunk: ScheduledChunk, all_logits: bool) -> ChunkInput:
         self.encode(chunk)
-        req, start = chunk.request, chunk.request.num_computed
+        req, start = chunk.request, chunk.request.num_scheduled
         end = start + chunk.num_tokens
         blocks = -(-end // self.block_size)
         table = req.block_table[:blocks]

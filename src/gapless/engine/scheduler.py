@@ -240,9 +240,12 @@ class Scheduler:
         self._preempted: list[Request] = []  # in this step, for its plan
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # admitted: prefilling or decoding
-        # Requests of the steps in flight (the engine's): planned for no chunk, preempted by
-        # no one, until their step's update.
-        self.in_flight: set[Request] = set()
+        # A pipeline's steps in flight (launched, landed): how many hold each request. None is
+        # preempted, and none but a prompt whose chunks in flight do not complete it is planned
+        # another chunk, until they land.
+        self.in_flight: collections.Counter[Request] = collections.Counter()
+        # Cancelled while in flight: planned nothing more, ended when their last step lands.
+        self.cancelled_in_flight: set[Request] = set()
         self.micro_batches = micro_batches
         self._admissions = 0
         self.steps = 0
@@ -273,25 +276,37 @@ class Scheduler:
         decodes = self._schedule_decodes()
         self.steps += 1
         candidates = [r for r in self.running if r.state is RequestState.PREFILLING]
-        candidates = [r for r in candidates if r not in self.in_flight] + self.waiting
+        # A prompt with a chunk in flight that does not complete it may run its next chunk
+        # now: every stage runs the micro-batches in launch order, so each layer has written
+        # the chunk before's K/V when it runs this one.
+        candidates = [
+            r
+            for r in candidates
+            if r.num_scheduled < r.num_tokens and r not in self.cancelled_in_flight
+        ]
+        candidates += self.waiting
         self.fair_share.order(candidates)
         candidates.sort(
             key=lambda r: (urgency(r), self.fair_share.key(r), self.policy.key(r, self.steps))
         )
         target = self._step_target(decodes)
-        start = candidates[0].num_computed if candidates else 0
+        start = candidates[0].num_scheduled if candidates else 0
         first = candidates[0] if candidates else None
         if target is not None and self.prefill_budget is not None:
             decodes = self._defer_for_target(decodes, target, start, first)
         chunks = list(decodes)
         speculating = any(c.request.speculation is not None for c in decodes)
-        if not chunks:
-            budget = self.config.idle_prefill_chunk
+        # A pipeline's P micro-batches share a fixed budget, so that each costs about the same
+        # and a cycle of them moves one rank's step of prompt tokens; and a prompt runs in at
+        # least P chunks, so that even a lone one keeps every stage busy. A micro-batch whose
+        # streams all decode in the other micro-batches is not idle: their tokens wait for it.
+        if not chunks and not any(r.is_decoding for r in self.in_flight):
+            budget = max(1, self.config.idle_prefill_chunk // self.micro_batches)
         elif self.prefill_budget is not None and target is not None and (candidates or speculating):
             contexts = [c.request.num_computed + 1 for c in chunks]
             budget = self.prefill_budget(contexts, start, target)
         else:
-            budget = self.config.prefill_chunk
+            budget = max(1, self.config.prefill_chunk // self.micro_batches)
         # Under a latency target a prompt as urgent as every decode of the step moves at least
         # min_prefill_chunk tokens a step; a less urgent one gets what the target leaves (a
         # batch prompt waits while the step's decodes use an interactive stream's target).
@@ -306,8 +321,9 @@ class Scheduler:
                 if self.policy.head_blocks:
                     break
                 continue
-            remaining = request.num_uncomputed
-            n = remaining if request.whole_prefill else min(remaining, budget)
+            remaining = request.num_tokens - request.num_scheduled
+            share = -(-request.num_tokens // self.micro_batches)
+            n = remaining if request.whole_prefill else min(remaining, budget, share)
             first = len(chunks) == len(decodes)  # no other prompt chunk in the step yet
             n, encodes, charge = self._encodes(request, n, budget, first)
             if n:
@@ -542,6 +558,24 @@ class Scheduler:
         mine = [r for r in self._preemptible() if _share(r) == fullest]
         return max(mine, key=precedence, default=None)
 
+    def launched(self, plan: StepPlan, requests: set[Request]) -> None:
+        """A pipeline launched the plan's step over these requests (its chunks' and forks'):
+        none is preempted or decodes until it lands, and a prompt's next chunk starts past
+        this one's tokens."""
+        self.in_flight.update(requests)
+        for chunk in plan.chunks:
+            chunk.request.num_in_flight += chunk.num_tokens
+
+    def landed(self, plan: StepPlan, requests: set[Request]) -> list[Request]:
+        """The launched step completed (before its update books it, or dropped). Returns the
+        requests cancelled in flight that no step in flight holds any more: they end now."""
+        self.in_flight -= collections.Counter(requests)
+        for chunk in plan.chunks:
+            chunk.request.num_in_flight -= chunk.num_tokens
+        ended = [r for r in self.cancelled_in_flight if r not in self.in_flight]
+        self.cancelled_in_flight.difference_update(ended)
+        return ended
+
     def _preemptible(self) -> list[Request]:
         """The running requests whose KV no step in flight uses."""
         return [r for r in self.running if r not in self.in_flight]
@@ -625,7 +659,7 @@ class Scheduler:
         request = chunk.request
         return (
             bool(request.forks)
-            and request.num_computed + chunk.num_tokens == request.num_tokens
+            and request.num_scheduled + chunk.num_tokens == request.num_tokens
             and request.params.max_tokens > 0
         )
 
@@ -725,7 +759,7 @@ class Scheduler:
     def _reserve(self, request: Request, n: int) -> bool:
         """Makes room in the request's block tables for its next n tokens."""
         self._drop_outside_window(request)
-        need = -(-(request.num_computed + n) // self.pool.block_size) - len(request.block_table)
+        need = -(-(request.num_scheduled + n) // self.pool.block_size) - len(request.block_table)
         if need <= 0:
             return True
         if any(need > g.pool.num_available for g in self.groups):
@@ -746,7 +780,7 @@ class Scheduler:
         """How many of the request's next n tokens to take so that the chunk does not end
         inside an image that attends both ways (the module's docstring): fewer, ending
         before it; or, when that leaves none, to its end if `extend`, else none."""
-        start = request.num_computed
+        start = request.num_scheduled
         end = start + n
         for image in request.images:
             if image.bidirectional and image.start < end < image.end:
@@ -757,7 +791,7 @@ class Scheduler:
 
     def _room(self, request: Request) -> int:
         """How many more tokens the request's blocks and the pools' free ones can hold."""
-        spare = len(request.block_table) * self.pool.block_size - request.num_computed
+        spare = len(request.block_table) * self.pool.block_size - request.num_scheduled
         available = min(g.pool.num_available for g in self.groups)
         return spare + available * self.pool.block_size
 
