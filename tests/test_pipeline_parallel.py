@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import ARCHS, MOE_ARCHS
 from gguf import GGMLQuantizationType as QType
 from helpers import greedy
 from test_model import Seq, hf_model, prompt, run_chunks
@@ -53,9 +54,10 @@ def staged_runner(parallel: TensorParallel, path: Path, num_blocks: int) -> Mode
     return ModelRunner(decoder, num_blocks, 16)
 
 
-# gemma3: sliding-window layers on both sides of a global one, tied embeddings (the last
-# stage holds a copy); qwen3_moe: a mixture with a dense layer between sparse ones.
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3_moe"])
+# Every family's tiny checkpoint. Among them gemma3: sliding-window layers on both sides of a
+# global one, tied embeddings (the last stage holds a copy); qwen3_moe: a mixture with a dense
+# layer between sparse ones. (One rank's logits are transformers': test_model, test_moe.)
+@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
 def test_two_stages_give_one_ranks_logits_however_chunked(checkpoint, tp2, arch):  # noqa: F811
     path, ids = checkpoint(arch), prompt(80)  # longer than the 24-token windows
     one = run_chunks(ModelRunner(load_model(path, "float32")[0], 16, 16), Seq(ids, 0), [80])
