@@ -234,9 +234,9 @@ def test_what_pipeline_parallelism_refuses_is_named():
         EngineConfig(pipeline_layers="1,1")
 
 
-def test_a_stage_that_dies_ends_streams_with_an_error_then_503_then_exit(checkpoint):
-    fault, flag = signal.SIGKILL, "--pipeline-parallel-size"
-    check_a_failed_rank_fails_the_server(checkpoint("llama"), fault, flag)
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["dies", "hangs"])
+def test_a_stage_that_fails_ends_streams_with_an_error_then_503_then_exit(checkpoint, fault):
+    check_a_failed_rank_fails_the_server(checkpoint("llama"), fault, "--pipeline-parallel-size")
 
 
 def run_engine(engine, arrivals: dict[int, list[tuple[list[int], SamplingParams]]]) -> dict:
