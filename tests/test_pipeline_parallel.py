@@ -63,8 +63,9 @@ def test_two_stages_give_one_ranks_logits_however_chunked(checkpoint, tp2, arch)
     one = run_chunks(ModelRunner(load_model(path, "float32")[0], 16, 16), Seq(ids, 0), [80])
     runner = staged_runner(tp2, path, 16)
     assert len(runner.kv_cache) == len(runner.decoder.layers) < runner.decoder.config.num_layers
-    two = run_chunks(runner, Seq(ids, 0), [7] * 11 + [3])
-    assert (one - two).abs().max().item() < 1e-4
+    for sizes in ([80], [7] * 11 + [3]):  # whole, and in 7-token chunks
+        two = run_chunks(runner, Seq(ids, 0), sizes)
+        assert (one - two).abs().max().item() < 1e-4
 
 
 # (arch, prompt tokens per chunk or None: unchunked, ranks per stage). qwen2 x 2: each stage
