@@ -423,7 +423,7 @@ class Scheduler:
         yet. A unit of an image's encode is charged its cost (`encode_cost`, else its
         placeholder tokens) over its units, rounded up; the chunk stops before an image whose
         encode does not complete in the step."""
-        start = request.num_computed
+        start = request.num_scheduled
         encodes: list[tuple[int, int]] = []
         charge = 0
         for i, image in enumerate(request.images):
