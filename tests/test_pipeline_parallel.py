@@ -422,6 +422,7 @@ def test_a_prompt_cancelled_with_two_chunks_in_flight_runs_no_more_and_frees_its
         while engine.has_work:
             step()
             assert req.num_scheduled <= launched
+            assert req.block_table or not held()  # its chunks in flight write its blocks
         assert reasons == {stream: "length", long: "cancelled"}
         assert tokens == {stream: expected}  # and none for the long prompt
         assert engine.pool.num_used == 0 and engine.pool.num_available == available
