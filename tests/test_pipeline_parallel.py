@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -240,9 +241,14 @@ def test_a_stage_that_fails_ends_streams_with_an_error_then_503_then_exit(checkp
     check_a_failed_rank_fails_the_server(checkpoint("llama"), fault, "--pipeline-parallel-size")
 
 
-def run_engine(engine, arrivals: dict[int, list[tuple[list[int], SamplingParams]]]) -> dict:
-    """Steps the engine until it has no work, adding each of `arrivals`' requests at its step;
-    returns each request's tokens and finish reason, by the order of its arrival."""
+def run_engine(
+    engine,
+    arrivals: dict[int, list[tuple[list[int], SamplingParams]]],
+    each_step: Callable[[int], object] = lambda step: None,
+) -> dict:
+    """Steps the engine until it has no work, adding each of `arrivals`' requests at its step
+    and calling `each_step` with the step after it; returns each request's tokens and finish
+    reason, by the order of its arrival."""
     ids: list[str] = []
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
@@ -255,6 +261,7 @@ def run_engine(engine, arrivals: dict[int, list[tuple[list[int], SamplingParams]
                 tokens.setdefault(event.request_id, []).extend(event.token_ids)
             elif isinstance(event, FinishedEvent):
                 reasons[event.request_id] = event.finish_reason
+        each_step(step)
         step += 1
     return {i: (tokens.get(rid, []), reasons[rid]) for i, rid in enumerate(ids)}
 
@@ -317,16 +324,41 @@ def test_preemption_with_steps_in_flight_gives_one_ranks_tokens(checkpoint):
 
 
 def test_a_long_prompt_beside_decodes_at_two_stages_gives_one_ranks_tokens(checkpoint):
-    # A 60-token prompt arrives while three streams decode: its chunks run in consecutive
-    # micro-batches (the next test), and every request's tokens are one rank's.
+    # A 60-token prompt arrives at step 4 while three streams decode: its chunks run in
+    # consecutive micro-batches, two in flight at once, and every request's tokens are one
+    # rank's.
     path = checkpoint("llama")
     arrivals = {
         0: [(prompt(12, seed=s), greedy(20)) for s in range(3)],
         4: [(prompt(60, seed=9), greedy(6))],
     }
     one = run_engine(LLM(path, dtype="float32", prefill_chunk=16).engine, arrivals)
+    overlapped: dict[int, int] = {}  # prompt chunks launched beside the one before, by step
     with LLM(path, dtype="float32", prefill_chunk=16, pipeline_parallel_size=2) as llm:
-        assert run_engine(llm.engine, arrivals) == one
+
+        def count(step: int) -> None:
+            overlapped[step] = stats(llm.engine)["prompt_chunks_overlapped_total"]
+
+        assert run_engine(llm.engine, arrivals, count) == one
+    # The streams' prompts were computed by step 3: what follows is the long prompt's.
+    assert overlapped[max(overlapped)] > overlapped[3]
+
+
+def test_prompt_logprobs_of_a_prompt_in_overlapping_chunks_are_one_ranks(checkpoint):
+    # Two stages share the idle budget of 16: the 60-token prompt runs in chunks of 8, each
+    # launched while the one before is in flight (one rank runs chunks of 16).
+    path, ids = checkpoint("llama"), prompt(60, seed=9)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1, ignore_eos=True)
+    chunked = {"prefill_chunk": 16, "idle_prefill_chunk": 16}
+    exact = {"dtype": "float32", "kv_cache_dtype": "float32"}
+    one = LLM(path, **exact, **chunked).generate([ids], params)[0].prompt_logprobs
+    with LLM(path, **exact, **chunked, pipeline_parallel_size=2) as llm:
+        two = llm.generate([ids], params)[0].prompt_logprobs
+        overlapped = stats(llm.engine)["prompt_chunks_overlapped_total"]
+    assert overlapped == 7  # of its 8 chunks, all but the first
+    assert one[0] is None and two[0] is None
+    assert [p[0] for p in two[1:]] == [p[0] for p in one[1:]] == ids[1:]
+    assert max(abs(p[1] - q[1]) for p, q in zip(one[1:], two[1:], strict=True)) < 1e-4
 
 
 def test_a_prompts_next_chunk_runs_in_the_next_micro_batch_and_its_last_waits():
@@ -353,27 +385,46 @@ def test_a_prompts_next_chunk_runs_in_the_next_micro_batch_and_its_last_waits():
     assert not scheduler.in_flight and req.num_computed == 20
 
 
-def test_a_prompt_cancelled_with_a_chunk_in_flight_runs_no_more_and_frees_its_blocks(checkpoint):
-    path = checkpoint("llama")
-    with LLM(path, dtype="float32", prefill_chunk=16, pipeline_parallel_size=2) as llm:
+def test_a_prompt_cancelled_with_two_chunks_in_flight_runs_no_more_and_frees_its_blocks(
+    checkpoint,
+):
+    # Three stages: between steps two are in flight, both with a chunk of the long prompt
+    # (a cancel takes effect at a step's start; at two stages one step is in flight then).
+    path, stream_ids = checkpoint("llama", num_hidden_layers=3), prompt(12, seed=1)
+    expected = LLM(path, dtype="float32").generate([stream_ids], greedy(30))[0].token_ids
+    with LLM(path, dtype="float32", prefill_chunk=16, pipeline_parallel_size=3) as llm:
         engine = llm.engine
-        stream = engine.add_request(prompt(12, seed=1), greedy(30))
-        for _ in range(3):
-            engine.step()
-        long = engine.add_request(prompt(60, seed=9), greedy(4))
-        held = []
-        while not held:
-            engine.step()
-            held = [r for r in engine.scheduler.in_flight if r.request_id == long]
-        assert engine.cancel(long)
-        req = held[0]
-        planned = [req.num_scheduled]  # the prompt's tokens launched, after each step
-        reasons = {}
-        while engine.has_work:
+        available = engine.pool.num_available
+        tokens: dict[str, list[int]] = {}
+        reasons: dict[str, str] = {}
+
+        def step() -> None:
             for event in engine.step():
-                if isinstance(event, FinishedEvent):
+                if isinstance(event, TokenEvent):
+                    tokens.setdefault(event.request_id, []).extend(event.token_ids)
+                elif isinstance(event, FinishedEvent):
                     reasons[event.request_id] = event.finish_reason
-            planned.append(req.num_scheduled)
+
+        def held() -> int:  # the long prompt's steps in flight
+            return sum(n for r, n in engine.scheduler.in_flight.items() if r.request_id == long)
+
+        stream = engine.add_request(stream_ids, greedy(30))
+        for _ in range(4):
+            step()
+        long = engine.add_request(prompt(60, seed=9), greedy(4))
+        for _ in range(10):
+            step()
+            if held() == 2:
+                break
+        req = next(r for r in engine.scheduler.running if r.request_id == long)
+        assert held() == 2 and req.num_scheduled < 60
+        assert engine.cancel(long)
+        launched = req.num_scheduled  # its tokens launched, which no later chunk moves
+        while engine.has_work:
+            step()
+            assert req.num_scheduled <= launched
+            assert req.block_table or not held()  # its chunks in flight write its blocks
         assert reasons == {stream: "length", long: "cancelled"}
-        assert planned[0] < 60 and max(planned) == planned[0]  # no chunk launched after it
-        assert engine.pool.num_used == 0 and not engine.scheduler.in_flight
+        assert tokens == {stream: expected}  # and none for the long prompt
+        assert engine.pool.num_used == 0 and engine.pool.num_available == available
+        assert not engine.scheduler.in_flight and not engine.scheduler.cancelled_in_flight

@@ -116,8 +116,8 @@ class Engine:
             itl_targets,
             config.pipeline_parallel_size,
         )
-        # A pipeline of P stages keeps up to P steps in flight, over disjoint requests: while
-        # the later stages run one, rank 0 runs its stage of the next (step()).
+        # A pipeline of P stages keeps up to P steps in flight: while the later stages run one,
+        # rank 0 runs its stage of the next (_step_in_flight).
         self.max_in_flight = config.pipeline_parallel_size
         self._in_flight: deque[InFlight] = deque()
         self.steps_overlapped = 0  # steps launched while another was in flight

@@ -30,6 +30,7 @@ def stats(engine: Engine) -> dict[str, int]:
         "prefix_cache_hit_tokens_total": scheduler.prefix_hit_tokens,
         "prefix_cache_queried_tokens_total": scheduler.prefix_queried_tokens,
         "preemptions_total": scheduler.preemptions,
+        "prompt_chunks_overlapped_total": scheduler.prompt_chunks_overlapped,
         "speculative_proposed_tokens_total": metrics.speculative_proposed_tokens,
         "speculative_accepted_tokens_total": metrics.speculative_accepted_tokens,
         "steps_in_flight": engine.steps_in_flight,

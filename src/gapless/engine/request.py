@@ -1,6 +1,6 @@
 """A request's state as the engine runs it, grouped by who writes it:
-- the scheduler (with the block pool) owns its KV state: state, num_computed, the block
-  table and hashes, admission and preemption counts;
+- the scheduler (with the block pool) owns its KV state: state, num_computed, its tokens in
+  a pipeline's steps in flight, the block table and hashes, admission and preemption counts;
 - sampling state (`sampling`: seeded generator, penalty counts, grammar) is made with it,
   and so is its proposer of speculative tokens (`speculation`, None when it speculates not);
 - the engine's output path owns `output` (detokenizer, stop strings) and the timings.

@@ -219,8 +219,9 @@ class ModelRunner:
     ) -> Callable[[], list[torch.Tensor]]:
         """execute() in two halves: this one sends the chunks on and runs this rank's part of
         their forward; the one it returns gives what execute() returns. Between the two, a
-        pipeline's rank 0 may launch other chunks (never the same requests': each step reads
-        the K/V the one before wrote)."""
+        pipeline's rank 0 may launch other chunks: never a decode of a request in flight (its
+        next token needs this one), but a prompt's next chunk, which starts at num_scheduled;
+        every stage runs the chunks in launch order, so it has written this chunk's K/V first."""
         # Decodes (and verifications, which attend as decodes) go first so that they form one
         # contiguous block of rows: one attention call.
         order = sorted(

@@ -252,6 +252,9 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         self.prefix_queried_tokens = 0
         self.preemptions = 0
+        # Prompt chunks launched while the prompt's chunk before was in flight (/metrics): how
+        # often a prompt fills the pipeline's stages rather than one micro-batch at a time.
+        self.prompt_chunks_overlapped = 0
 
     @property
     def max_step_tokens(self) -> int:
@@ -420,7 +423,7 @@ class Scheduler:
         yet. A unit of an image's encode is charged its cost (`encode_cost`, else its
         placeholder tokens) over its units, rounded up; the chunk stops before an image whose
         encode does not complete in the step."""
-        start = request.num_computed
+        start = request.num_scheduled
         encodes: list[tuple[int, int]] = []
         charge = 0
         for i, image in enumerate(request.images):
@@ -564,6 +567,8 @@ class Scheduler:
         this one's tokens."""
         self.in_flight.update(requests)
         for chunk in plan.chunks:
+            # Only a prompt's chunk is planned while its request has tokens in flight.
+            self.prompt_chunks_overlapped += chunk.request.num_in_flight > 0
             chunk.request.num_in_flight += chunk.num_tokens
 
     def landed(self, plan: StepPlan, requests: set[Request]) -> list[Request]:

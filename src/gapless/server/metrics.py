@@ -24,6 +24,8 @@ _HELP = {
     "speculative_accepted_tokens_total": "Proposed tokens accepted: the output's own tokens.",
     "steps_in_flight": "Pipeline steps launched and not yet completed.",
     "steps_overlapped_total": "Pipeline steps launched while another was in flight.",
+    "prompt_chunks_overlapped_total": "Prompt chunks launched while the prompt's chunk before"
+    " was in flight (pipeline).",
 }
 
 
