@@ -247,9 +247,8 @@ class Engine:
         return self.emitter.take_events()
 
     def _step_in_flight(self) -> list[Event]:
-        """Launches a micro-batch of the requests that have no step in flight, if there is
-        room and work; then, when the pipeline is full or nothing was launched, completes the
-        oldest step in flight. Each stage runs them in launch order. A request's next token
+        """Launches a micro-batch, if there is room and work; then, when the pipeline is full
+        or nothing was launched, completes the oldest step in flight. Each stage runs them in launch order. A request's next token
         needs its last one, so a decode is in one micro-batch at a time; a prompt's chunks
         may follow each other in consecutive ones (Scheduler.schedule)."""
         launched = False
@@ -484,9 +483,7 @@ class Engine:
         for req in incoming:
             self.scheduler.add(req)
         for req in cancelled:
-            if req in self.scheduler.in_flight:
-                self.scheduler.cancelled_in_flight.add(req)  # its steps still write its blocks
-            else:
+            if not self.scheduler.cancel_in_flight(req):
                 self.emitter.finish(req, "cancelled")
         self.scheduler.finish(self.emitter.take_ended())
 

@@ -571,6 +571,14 @@ class Scheduler:
             self.prompt_chunks_overlapped += chunk.request.num_in_flight > 0
             chunk.request.num_in_flight += chunk.num_tokens
 
+    def cancel_in_flight(self, request: Request) -> bool:
+        """Whether the cancelled request has a step in flight, which still writes its blocks:
+        then it is planned nothing more, and ends when its last step lands (landed)."""
+        if request not in self.in_flight:
+            return False
+        self.cancelled_in_flight.add(request)
+        return True
+
     def landed(self, plan: StepPlan, requests: set[Request]) -> list[Request]:
         """The launched step completed (before its update books it, or dropped). Returns the
         requests cancelled in flight that no step in flight holds any more: they end now."""
