@@ -375,20 +375,33 @@ void attend(const Q* query, float scale, const Elem<C>* __restrict keys,
   std::vector<QueryHead<Q, C, D>> q(heads);
   for (int64_t i = 0; i < heads; ++i) q[i].load(query + i * D);
   std::vector<F> partial(heads * W);
-  int64_t slots[W];
+  int64_t slots[W], later[W];
   // The slots of keys i0 .. i0 + W - 1, one division per W keys; past the last key, its slot
   // again (a real key, whose weight the softmax sets to 0).
-  auto slots_from = [&](int64_t i0) {
+  auto slots_of = [&](int64_t i0, int64_t* out) {
     int64_t block = (first + i0) / block_size, offset = (first + i0) % block_size;
     const int count = static_cast<int>(std::min<int64_t>(W, len - i0));
     for (int j = 0; j < count; ++j) {
-      slots[j] = table[block] * block_size + offset;
+      out[j] = table[block] * block_size + offset;
       if (++offset == block_size) offset = 0, ++block;
     }
-    std::fill(slots + count, slots + W, slots[count - 1]);
+    std::fill(out + count, out + W, out[count - 1]);
+  };
+  // The rows of the keys two tiles on, asked into L2 now. Without it a tile's misses were
+  // taken only as its arithmetic reached them, and reading a history went at a third of a
+  // streaming read; with it, 1.25-1.5x faster (docs/benchmarks.md). Into L1 it did not help.
+  const int64_t row_bytes = stride * static_cast<int64_t>(sizeof(Elem<C>));
+  auto prefetch = [&](const Elem<C>* rows, int64_t i0) {
+    if (i0 + 2 * W >= len) return;
+    slots_of(i0 + 2 * W, later);
+    for (int j = 0; j < W; ++j) {
+      const char* p = reinterpret_cast<const char*>(rows + later[j] * stride);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+    }
   };
   for (int64_t i0 = 0; i0 < len; i0 += W) {
-    slots_from(i0);
+    slots_of(i0, slots);
+    prefetch(keys, i0);
     for (int j = 0; j < W; ++j) {
       const Elem<C>* key = keys + slots[j] * stride;
       for (int64_t h = 0; h < kv_heads; ++h) {
@@ -417,7 +430,8 @@ void attend(const Q* query, float scale, const Elem<C>* __restrict keys,
     total[i] = Vec::sum(sum);
   }
   for (int64_t i0 = 0; i0 < len; i0 += W) {
-    slots_from(i0);
+    slots_of(i0, slots);
+    prefetch(values, i0);
     for (int64_t h = 0; h < kv_heads; ++h)  // the rows just read for head 0 are in cache
       ValueSum<C, D>::add(values + h * row, slots, stride, scores + h * group * padded + i0, padded,
                           group, acc + h * group * D, i0 == 0);
