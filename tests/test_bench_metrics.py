@@ -166,7 +166,7 @@ def test_the_mix_draws_classes_and_tenants_by_weight_and_shapes_by_class():
             parse_shares(bad)
 
 
-def test_stall_and_prefix_shapes():
+def test_stall_context_and_prefix_shapes():
     stall = build_workload(
         WorkloadSpec(
             "stall", num_streams=2, stream_tokens=16, long_tokens=256, long_at=0.5, vocab_size=512
@@ -177,6 +177,12 @@ def test_stall_and_prefix_shapes():
         (0.0, 64, 16, ""),
         (0.5, 256, 16, "long"),
     ]
+    context = build_workload(
+        WorkloadSpec("context", num_streams=3, stream_tokens=32, long_tokens=700, vocab_size=512)
+    )
+    assert [(r.arrival_s, len(r.prompt), r.max_tokens) for r in context] == [(0.0, 700, 32)] * 3
+    # distinct prompts: no stream's history is another's cached prefix
+    assert len({tuple(r.prompt[:16]) for r in context}) == 3
     prefix = build_workload(WorkloadSpec("prefix", num_requests=3))
     assert all(r.prompt[:2000] == prefix[0].prompt[:2000] and len(r.prompt) == 2064 for r in prefix)
     assert prefix[0].prompt[2000:] != prefix[1].prompt[2000:]

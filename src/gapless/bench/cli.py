@@ -122,9 +122,18 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     wl = p.add_argument_group("workload")
     wl.add_argument("--workload", choices=WORKLOADS, default="stall")
     wl.add_argument("--seed", type=int, default=0)
-    wl.add_argument("--num-streams", type=int, default=4, help="stall: decoding streams")
-    wl.add_argument("--stream-tokens", type=int, default=256, help="stall: tokens per stream")
-    wl.add_argument("--long-tokens", type=int, default=8192, help="stall: long prompt length")
+    wl.add_argument(
+        "--num-streams", type=int, default=4, help="stall: decoding streams; context: long prompts"
+    )
+    wl.add_argument(
+        "--stream-tokens", type=int, default=256, help="stall, context: tokens per stream"
+    )
+    wl.add_argument(
+        "--long-tokens",
+        type=int,
+        default=8192,
+        help="stall: long prompt length; context: every prompt's",
+    )
     wl.add_argument("--long-at", type=float, default=3.0, help="stall: long prompt arrival (s)")
     wl.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate (req/s)")
     wl.add_argument("--num-requests", type=int, default=32)

@@ -43,7 +43,7 @@ class WorkloadSpec:
     name: str
     seed: int = 0
     vocab_size: int = 32000
-    # stall, grounded
+    # stall, grounded, context
     num_streams: int = 4
     stream_prompt_tokens: int = 64
     stream_tokens: int = 256
@@ -93,6 +93,16 @@ def stall(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
         BenchRequest(spec.num_streams, spec.long_at, long_prompt, spec.long_max_tokens, tag="long")
     )
     return reqs
+
+
+def context(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
+    """Decode at a long context: num_streams distinct prompts of long_tokens tokens, sent at
+    once, each generating stream_tokens. Their ITL after the prefills is the step with a
+    history of long_tokens each, where the KV cache, not the weights, sets the cost."""
+    return [
+        BenchRequest(i, 0.0, _ids(rng, spec.long_tokens, spec.vocab_size), spec.stream_tokens)
+        for i in range(spec.num_streams)
+    ]
 
 
 def _mixed_lengths(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -332,6 +342,7 @@ def story(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
 
 _BUILDERS = {
     "stall": stall,
+    "context": context,
     "mixed": mixed,
     "prefix": prefix,
     "cancel": cancel,
