@@ -692,7 +692,7 @@ void attend_rows(const Tile<D>& tile, const uint32_t* const* query, const __mmas
   auto shrink_of = [&](int u) { return _mm512_permutexvar_ps(_mm512_set1_epi32(u), shrink); };
   for (int u = 0; u < R; ++u)
     _mm512_storeu_ps(total + 16 * u, _mm512_fmadd_ps(_mm512_loadu_ps(total + 16 * u), shrink_of(u), sums[u]));
-  constexpr int C = std::min(D / 16, 16 / R);  // vectors of each row's output per pass
+  constexpr int C = D < 64 ? D / 16 : 4;  // vectors of each row's output per pass
   for (int c = 0; c < D; c += 16 * C) {
     __m512 o[R][C];
     for (int u = 0; u < R; ++u)
