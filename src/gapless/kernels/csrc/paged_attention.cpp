@@ -574,6 +574,18 @@ inline __m512bh bf16_pairs(const uint32_t* words) {
   return (__m512bh)_mm512_load_si512(words);
 }
 
+// 2^x for x <= 0: 2^n p(f), n = round(x), f = x - n in [-1/2, 1/2], p of degree 5 fitted to
+// 2^f (relative error 2e-7) with p(0) = 1 exactly, so that 2^0 is 1: a row whose peak did not
+// move is not rescaled. Far below -126 (a masked score) it is 0.
+inline __m512 exp2_nonpositive(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3264698e-3f);
+  for (float c : {9.6715093e-3f, 5.5507340e-2f, 2.4022242e-1f, 6.9314700e-1f, 1.0f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
 // One head's row of the cache as D bf16 values: in place for a bf16 cache, else converted
 // into `buffer` 32 dims at a time (rounded to nearest even, as torch's casts round).
 template <typename C, int D>
@@ -587,6 +599,32 @@ const uint16_t* bf16_row(const Elem<C>* row, uint16_t* buffer) {
   }
 }
 
+// 16 vectors of 16 words, rows to columns: r[i] word j becomes r[j] word i.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4g + k]: in each 128-bit lane L, word 4L + k of rows 4g .. 4g + 3
+  __m512i u[16];
+  for (int g = 0; g < 16; g += 4) {
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  // Word 4L + k of every row: lane L of u[k], u[4 + k], u[8 + k], u[12 + k].
+  for (int k = 0; k < 4; ++k) {
+    const __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), b = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44), d = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+}
+
 // kTileKeys keys and values of one KV head, laid out for vdpbf16ps, which multiplies two bf16
 // pairs per float32 lane and adds them in float32, at over twice the float32 FMA rate here.
 // Keys as pairs of dims (word p of key j: dims 2p, 2p+1), so a query's scores are vectors
@@ -595,34 +633,45 @@ template <int D>
 struct Tile {
   alignas(64) uint32_t keys[D / 2][kTileKeys];
   alignas(64) uint32_t values[kTileKeys / 2][D];
+  alignas(64) uint16_t converted[kTileKeys][D];  // rows of a cache of another type, as bf16
 
   // The tile's keys and values from the cache rows at `slots` (each converted to bf16 as it
-  // is read, where the cache holds another type).
+  // is read, where the cache holds another type), 16 x 16 words at a time. Zeros past the
+  // last key: its softmax weight is 0, and 0 * garbage may be NaN.
   template <typename C>
   void load(const Elem<C>* k, const Elem<C>* v, const int64_t* slots, int count, int64_t stride) {
-    alignas(64) uint16_t converted[3][D];  // a key and two values, where they need converting
-    for (int j = 0; j < kTileKeys; ++j) {
-      const auto* key = reinterpret_cast<const uint32_t*>(bf16_row<C, D>(k + slots[j] * stride, converted[0]));
-      for (int p = 0; p < D / 2; ++p) keys[p][j] = j < count ? key[p] : 0u;
-    }
-    for (int t = 0; t < kTileKeys / 2; ++t) {
-      // Zeros past the last key: its softmax weight is 0, and 0 * garbage may be NaN.
-      const uint16_t* even = bf16_row<C, D>(v + slots[2 * t] * stride, converted[1]);
-      const uint16_t* odd = bf16_row<C, D>(v + slots[2 * t + 1] * stride, converted[2]);
-      const uint32_t keep_even = 2 * t < count ? 0xffffu : 0u;
-      const uint32_t keep_odd = 2 * t + 1 < count ? 0xffffu : 0u;
-      for (int d = 0; d < D; ++d)
-        values[t][d] = (even[d] & keep_even) | (uint32_t(odd[d] & keep_odd) << 16);
-    }
+    const uint16_t* rows[kTileKeys];
+    auto row = [&](int j, int word) { return j < count ? _mm512_loadu_si512(rows[j] + 2 * word) : _mm512_setzero_si512(); };
+    for (int j = 0; j < kTileKeys; ++j) rows[j] = bf16_row<C, D>(k + slots[j] * stride, converted[j]);
+    for (int j0 = 0; j0 < kTileKeys; j0 += 16)
+      for (int p0 = 0; p0 < D / 2; p0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = row(j0 + i, p0);
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_store_si512(keys[p0 + i] + j0, r[i]);
+      }
+    // Word i of pair t: dim i of key 2t in its low half, of key 2t + 1 in its high half.
+    static const __m512i kLow = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                                 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i kHigh = _mm512_add_epi16(kLow, _mm512_set1_epi16(16));
+    for (int j = 0; j < kTileKeys; ++j) rows[j] = bf16_row<C, D>(v + slots[j] * stride, converted[j]);
+    for (int t = 0; t < kTileKeys / 2; ++t)
+      for (int d = 0; d < D; d += 32) {
+        const __m512i even = row(2 * t, d / 2), odd = row(2 * t + 1, d / 2);
+        _mm512_store_si512(values[t] + d, _mm512_permutex2var_epi16(even, kLow, odd));
+        _mm512_store_si512(values[t] + d + 16, _mm512_permutex2var_epi16(even, kHigh, odd));
+      }
   }
 };
 
-// The running softmax of R query rows over one tile: scores, masks, then
-// out = out * shrink + weights @ values. The weights are rounded to bf16 for that product,
-// as flash attention does on GPUs (the output is rounded to bf16 anyway).
-template <int D, int R>
+// The running softmax of R query rows over one tile: scores, masks (none where every row sees
+// every key of the tile), then out = out * shrink + weights @ values. Peaks are in units of
+// raw scores, `log2_scale` turns them into powers of 2; totals are 16 partial sums a row,
+// added up at the end. The weights are rounded to bf16 for that product, as flash attention
+// does on GPUs (the output is rounded to bf16 anyway).
+template <int D, int R, bool Masked>
 void attend_rows(const Tile<D>& tile, const uint32_t* const* query, const __mmask32* valid,
-                 float scale, float* peak, float* total, float* out) {
+                 float log2_scale, float* peak, float* total, float* out) {
   __m512 s[R][2];
   for (int u = 0; u < R; ++u) s[u][0] = s[u][1] = _mm512_setzero_ps();
   for (int p = 0; p < D / 2; ++p) {
@@ -634,27 +683,37 @@ void attend_rows(const Tile<D>& tile, const uint32_t* const* query, const __mmas
     }
   }
   alignas(64) uint32_t pairs[R][kTileKeys / 2];
-  float shrink[R];
+  alignas(64) float moved[16] = {};  // each row's peak before minus after, in powers of 2
+  __m512 sums[R];
+  const __m512 factor = _mm512_set1_ps(log2_scale);
   for (int u = 0; u < R; ++u) {
-    const __m512 masked = _mm512_set1_ps(kMasked), factor = _mm512_set1_ps(scale);
-    const __mmask16 v0 = static_cast<__mmask16>(valid[u]), v1 = static_cast<__mmask16>(valid[u] >> 16);
-    const __m512 s0 = _mm512_mask_mul_ps(masked, v0, s[u][0], factor);
-    const __m512 s1 = _mm512_mask_mul_ps(masked, v1, s[u][1], factor);
-    const float best = std::max(peak[u], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-    const __m512 top = _mm512_set1_ps(best);
-    const __m512 w0 = _mm512_maskz_mov_ps(v0, exp_nonpositive(_mm512_sub_ps(s0, top)));
-    const __m512 w1 = _mm512_maskz_mov_ps(v1, exp_nonpositive(_mm512_sub_ps(s1, top)));
-    shrink[u] = std::exp(peak[u] - best);
+    if constexpr (Masked) {
+      const __m512 masked = _mm512_set1_ps(kMasked);
+      s[u][0] = _mm512_mask_mov_ps(masked, static_cast<__mmask16>(valid[u]), s[u][0]);
+      s[u][1] = _mm512_mask_mov_ps(masked, static_cast<__mmask16>(valid[u] >> 16), s[u][1]);
+    }
+    const float best = std::max(peak[u], _mm512_reduce_max_ps(_mm512_max_ps(s[u][0], s[u][1])));
+    moved[u] = (peak[u] - best) * log2_scale;
     peak[u] = best;
-    total[u] = total[u] * shrink[u] + _mm512_reduce_add_ps(_mm512_add_ps(w0, w1));
+    const __m512 top = _mm512_set1_ps(best * log2_scale);
+    const __m512 w0 = exp2_nonpositive(_mm512_fmsub_ps(s[u][0], factor, top));
+    const __m512 w1 = exp2_nonpositive(_mm512_fmsub_ps(s[u][1], factor, top));
+    sums[u] = _mm512_add_ps(w0, w1);
     _mm512_store_si512(pairs[u], (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
   }
+  const __m512 shrink = exp2_nonpositive(_mm512_load_ps(moved));
+  const bool rescale = _mm512_cmpneq_ps_mask(shrink, _mm512_set1_ps(1.0f)) != 0;
+  auto shrink_of = [&](int u) { return _mm512_permutexvar_ps(_mm512_set1_epi32(u), shrink); };
+  for (int u = 0; u < R; ++u)
+    _mm512_storeu_ps(total + 16 * u, _mm512_fmadd_ps(_mm512_loadu_ps(total + 16 * u), shrink_of(u), sums[u]));
   constexpr int C = D < 64 ? D / 16 : 4;  // vectors of each row's output per pass
   for (int c = 0; c < D; c += 16 * C) {
     __m512 o[R][C];
     for (int u = 0; u < R; ++u)
-      for (int i = 0; i < C; ++i)
-        o[u][i] = _mm512_mul_ps(_mm512_loadu_ps(out + u * D + c + 16 * i), _mm512_set1_ps(shrink[u]));
+      for (int i = 0; i < C; ++i) {
+        o[u][i] = _mm512_loadu_ps(out + u * D + c + 16 * i);
+        if (rescale) o[u][i] = _mm512_mul_ps(o[u][i], shrink_of(u));
+      }
     for (int t = 0; t < kTileKeys / 2; ++t) {
       __m512bh v[C];
       for (int i = 0; i < C; ++i) v[i] = bf16_pairs(tile.values[t] + c + 16 * i);
@@ -675,14 +734,14 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
   using T = c10::BFloat16;
   const PagedArgs<T, C> a(q, k_cache, v_cache, block_tables, num_keys, out);
   const int64_t batch = q.size(0) / n, tiles = (n + kTileQueries - 1) / kTileQueries;
-  const float scaled = static_cast<float>(scale);
+  const float log2_scale = static_cast<float>(scale * M_LOG2E);
 
   // Items are (sequence, KV head, tile of queries); an item's rows are its queries' heads
   // that share the KV head, and it walks its keys once, a tile at a time.
   at::parallel_for(0, batch * a.kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
     auto tile = std::make_unique<Tile<D>>();
     std::vector<float> acc(kTileQueries * a.group * D), peak(kTileQueries * a.group),
-        total(kTileQueries * a.group);
+        total(kTileQueries * a.group * 16);
     int64_t slots[kTileKeys];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (a.kv_heads * tiles), h = item / tiles % a.kv_heads;
@@ -694,7 +753,7 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       const int64_t rows = (q1 - q0) * a.group;
       std::fill(acc.begin(), acc.begin() + rows * D, 0.0f);
       std::fill(peak.begin(), peak.begin() + rows, kMasked);
-      std::fill(total.begin(), total.begin() + rows, 0.0f);
+      std::fill(total.begin(), total.begin() + rows * 16, 0.0f);
       int64_t last_key = 0;
       for (int64_t i = q0; i < q1; ++i) last_key = std::max(last_key, last_of(i));
       const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_pos + q0 - window + 1) : 0;
@@ -713,13 +772,22 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
         int ready = 0;
         auto flush = [&] {
           float* pk = peak.data() + first_row;
-          float* tt = total.data() + first_row;
+          float* tt = total.data() + first_row * 16;
           float* o = acc.data() + first_row * D;
-          switch (ready) {
-            case 1: attend_rows<D, 1>(*tile, query, valid, scaled, pk, tt, o); break;
-            case 2: attend_rows<D, 2>(*tile, query, valid, scaled, pk, tt, o); break;
-            case 3: attend_rows<D, 3>(*tile, query, valid, scaled, pk, tt, o); break;
-            case 4: attend_rows<D, 4>(*tile, query, valid, scaled, pk, tt, o); break;
+          const bool full = std::all_of(valid, valid + ready, [](__mmask32 m) { return m == 0xffffffffu; });
+          auto run = [&](auto rows, auto masked) {
+            attend_rows<D, decltype(rows)::value, decltype(masked)::value>(*tile, query, valid, log2_scale, pk, tt, o);
+          };
+          using std::integral_constant;
+          switch (ready * 2 + full) {
+            case 2: run(integral_constant<int, 1>(), std::true_type()); break;
+            case 3: run(integral_constant<int, 1>(), std::false_type()); break;
+            case 4: run(integral_constant<int, 2>(), std::true_type()); break;
+            case 5: run(integral_constant<int, 2>(), std::false_type()); break;
+            case 6: run(integral_constant<int, 3>(), std::true_type()); break;
+            case 7: run(integral_constant<int, 3>(), std::false_type()); break;
+            case 8: run(integral_constant<int, 4>(), std::true_type()); break;
+            case 9: run(integral_constant<int, 4>(), std::false_type()); break;
           }
           ready = 0;
         };
@@ -746,8 +814,9 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       for (int64_t i = q0; i < q1; ++i)
         for (int64_t g = 0; g < a.group; ++g) {
           const int64_t r = (i - q0) * a.group + g;
+          const float sum = _mm512_reduce_add_ps(_mm512_loadu_ps(total.data() + r * 16));
           T* dst = a.out + ((b * n + i) * a.heads + h * a.group + g) * D;
-          for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] / total[r]);
+          for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[r * D + d] / sum);
         }
     }
   });
