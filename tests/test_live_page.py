@@ -29,7 +29,7 @@ from gapless.server.settings import ServerSettings
 KEY = "live-page-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHUNK = 16
-LONG_PROMPT_TOKENS = 1200  # 75 chunks of 16
+LONG_PROMPT_TOKENS = 1200  # 75 chunks of 16 alone; more beside a decode, as its keys grow
 SECRET = "zanzibar"  # a word of every prompt here, which the live view must never show
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "live-page.png"
@@ -404,7 +404,6 @@ def test_the_page_chats_and_shows_the_server_live(
     generated = [g for _, g in progress]
     assert len({c for c in computed if c < n}) >= 2, progress
     assert computed == sorted(computed), progress
-    assert all(c % CHUNK == 0 for c in computed), progress
     # ... while the other stream's token count kept increasing.
     assert generated == sorted(generated) and len(set(generated)) >= 2, progress
     assert long_request["progress"][-1] == {"processed": n, "total": n}

@@ -115,6 +115,7 @@ class Engine:
             None if self.draft is None else self.draft.unseen,
             itl_targets,
             config.pipeline_parallel_size,
+            mcfg.prompt_work(),
         )
         # A pipeline of P stages keeps up to P steps in flight: while the later stages run one,
         # rank 0 runs its stage of the next (_step_in_flight).

@@ -15,7 +15,11 @@ Each step is one hybrid batch:
    latency. Without a stricter class decoding, nobody waits.
 2. What is left of the token budget goes to prompt chunks. The budget is `prefill_chunk`
    while anyone decodes, and `idle_prefill_chunk` when nobody does, so an idle server
-   prefills at full speed. Under a latency target it is what the cost model predicts fits
+   prefills at full speed. Beside decodes it is counted in the work of a fresh prompt's
+   tokens (`prompt_work`, the model's FLOP count): a chunk after a long history gets fewer
+   tokens, as many as cost what the budget's tokens cost at a prompt's start, so the last
+   chunks of a long prompt stall the decodes beside them no longer than its first. (An idle
+   step's budget stays in tokens: it bounds the step's activations.) Under a latency target it is what the cost model predicts fits
    in the target beside the decodes (cost_model.py), but never under `min_prefill_chunk`:
    when decodes alone use the target, prompts still move at a guaranteed rate.
 3. Chunks go to prefilling and waiting requests by service class, most urgent first
@@ -157,6 +161,24 @@ class FairShare:
         self._given[_share(request)] += tokens
 
 
+def _tokens(tokens: int, start: int) -> float:
+    return tokens
+
+
+def _affordable(work: Callable[[int, int], float], start: int, budget: float, first: bool) -> int:
+    """The most prompt tokens from `start` whose work fits in `budget`; at least one for the
+    step's first prompt chunk, so that no history is too long to move."""
+    # Every count above hi costs more than the budget, and lo fits (a token's work is >= 1).
+    lo, hi = 0, max(0, math.floor(budget))
+    while lo < hi and work(hi, start) > budget:
+        mid = (lo + hi + 1) // 2
+        if work(mid, start) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return max(hi, 1 if first else 0)
+
+
 def _share(request: Request) -> tuple[int, str | None]:
     return urgency(request), request.params.tenant
 
@@ -165,7 +187,10 @@ def _share(request: Request) -> tuple[int, str | None]:
 class SchedulerConfig:
     max_num_seqs: int = option(64, "requests in the batch at once", positive=True)
     prefill_chunk: int = option(
-        512, "prompt tokens per step while other requests decode", positive=True
+        512,
+        "prompt tokens per step while other requests decode; after a long history, as many as"
+        " cost what this many fresh ones do",
+        positive=True,
     )
     idle_prefill_chunk: int = option(
         4096, "prompt tokens per step while nobody decodes", positive=True
@@ -213,6 +238,7 @@ class Scheduler:
         draft_unseen: Callable[[Request], int] | None = None,
         itl_targets: dict[str, float] | None = None,
         micro_batches: int = 1,
+        prompt_work: Callable[[int, int], float] | None = None,
     ) -> None:
         """`pool` and `window`: KV group 0's (kv/groups.py), whose blocks are each request's
         block_table; `window_groups`: the sliding-window groups of a hybrid model, whose blocks
@@ -220,7 +246,9 @@ class Scheduler:
         tokens it has yet to read (DraftModel.unseen); None: proposals come by prompt lookup.
         `itl_targets`: seconds between tokens by service class, which prefill_budget sizes a
         step's prompt tokens for (EngineConfig.latency_targets). `micro_batches`: how many
-        steps a pipeline keeps in flight; each then plans about that share of the decodes."""
+        steps a pipeline keeps in flight; each then plans about that share of the decodes.
+        `prompt_work`: what a chunk of n tokens after `start` computed ones costs, in fresh
+        prompt tokens (ModelConfig.prompt_work); None: its tokens."""
         self.config = config
         self.policy = PREFILL_POLICIES[config.prefill_policy]
         self.fair_share = FairShare()
@@ -247,6 +275,7 @@ class Scheduler:
         # Cancelled while in flight: planned nothing more, ended when their last step lands.
         self.cancelled_in_flight: set[Request] = set()
         self.micro_batches = micro_batches
+        self.prompt_work = prompt_work or _tokens
         self._admissions = 0
         self.steps = 0
         self.prefix_hit_tokens = 0
@@ -299,6 +328,10 @@ class Scheduler:
             decodes = self._defer_for_target(decodes, target, start, first)
         chunks = list(decodes)
         speculating = any(c.request.speculation is not None for c in decodes)
+        # Beside decodes the budget bounds their stall, so it counts fresh prompt tokens' work
+        # (prompt_work); a latency target's was sized for the history's keys already, and an
+        # idle step's bounds its activations' memory, which grows with its tokens alone.
+        work = _tokens
         # A pipeline's P micro-batches share a fixed budget, so that each costs about the same
         # and a cycle of them moves one rank's step of prompt tokens; and a prompt runs in at
         # least P chunks, so that even a lone one keeps every stage busy. A micro-batch whose
@@ -309,7 +342,8 @@ class Scheduler:
             contexts = [c.request.num_computed + 1 for c in chunks]
             budget = self.prefill_budget(contexts, start, target)
         else:
-            budget = max(1, self.config.prefill_chunk // self.micro_batches)
+            work = self.prompt_work
+            budget = work(max(1, self.config.prefill_chunk // self.micro_batches), 0)
         # Under a latency target a prompt as urgent as every decode of the step moves at least
         # min_prefill_chunk tokens a step; a less urgent one gets what the target leaves (a
         # batch prompt waits while the step's decodes use an interactive stream's target).
@@ -326,9 +360,11 @@ class Scheduler:
                 continue
             remaining = request.num_tokens - request.num_scheduled
             share = -(-request.num_tokens // self.micro_batches)
-            n = remaining if request.whole_prefill else min(remaining, budget, share)
             first = len(chunks) == len(decodes)  # no other prompt chunk in the step yet
-            n, encodes, charge = self._encodes(request, n, budget, first)
+            start = request.num_scheduled
+            tokens = _affordable(work, start, budget, first)
+            n = remaining if request.whole_prefill else min(remaining, tokens, share)
+            n, encodes, charge = self._encodes(request, n, tokens, first)
             if n:
                 n = self._keep_images_whole(request, n, extend=first)
             if n == 0 and not encodes:
@@ -339,9 +375,12 @@ class Scheduler:
                     continue
             chunks.append(ScheduledChunk(request, n, encodes=encodes))
             self.fair_share.give(request, n + charge)
-            budget -= n + charge
-            left -= n + charge
-        drafts = self._speculate(decodes, left, DECODE_ROWS - len(decodes)) if speculating else []
+            spent = work(n, start) + charge
+            budget -= spent
+            left -= spent
+        drafts = (
+            self._speculate(decodes, int(left), DECODE_ROWS - len(decodes)) if speculating else []
+        )
         preempted, self._preempted = self._preempted, []
         forks: list[Fork] = []
         for chunk in chunks:

@@ -61,6 +61,11 @@ class MoeConfig(LlamaConfig):
     norm_topk_prob: bool  # the chosen experts' weights renormalized to sum to 1
     sparse_layers: tuple[bool, ...]  # per layer: experts; False: a dense MLP
 
+    def mlp_width(self, layer: int) -> int:
+        if self.sparse_layers[layer]:
+            return self.experts_per_token * self.moe_intermediate_size
+        return self.intermediate_size
+
 
 def config(raw: dict) -> MoeConfig:
     # Qwen3's attention: q/k norms, no bias, no window unless use_sliding_window.
