@@ -9,8 +9,9 @@ import pytest
 from gapless import Engine, EngineConfig, SamplingParams
 from gapless.engine.cost_model import CALIBRATION_WINDOW, StepCostModel, step_features
 
-# Seconds: base, per decode, per prompt token, per pair, per placeholder token of an image encoded.
-TRUE = [0.02, 0.001, 2e-4, 3e-8, 1e-3]
+# Seconds: base, per decode, per prompt token, per pair, per placeholder token of an image
+# encoded, once for a step with prompt tokens.
+TRUE = [0.02, 0.001, 2e-4, 3e-8, 1e-3, 0.03]
 
 
 def true_time(features: list[float]) -> float:
@@ -37,6 +38,19 @@ def test_budget_meets_the_target_and_is_near_the_largest_that_does():
         budget = model.prefill_budget(decodes, start, 0.15)
         assert true_time(step_features(decodes, [(budget, start)])) <= 0.15 * 1.05
         assert true_time(step_features(decodes, [(int(budget * 1.1) + 16, start)])) > 0.15
+
+
+def test_the_fit_prices_a_chunk_steps_fixed_cost_apart_from_its_tokens():
+    """Decode-only steps and steps with a few prompt tokens are both predicted within the
+    timings' noise, and a tight target gets the small chunk that fits beside the fixed cost."""
+    model = trained_model()
+    decodes = [100] * 4  # 24 ms alone, 54 with any prompt token
+    for chunks in ([], [(8, 0)], [(64, 0)], [(1024, 3000)]):
+        features = step_features(decodes, chunks)
+        assert model.predict(features) == pytest.approx(true_time(features), rel=0.03)
+    budget = model.prefill_budget(decodes, 0, 0.07)
+    assert budget > 0 and true_time(step_features(decodes, [(budget, 0)])) <= 0.07 * 1.03
+    assert true_time(step_features(decodes, [(int(budget * 1.1) + 16, 0)])) > 0.07
 
 
 def test_longer_context_gets_a_smaller_budget():

@@ -2,13 +2,18 @@
 
 A step's time is modelled as linear in the costs it is made of:
     t = base + a * decodes + b * prefill_tokens + c * attention_pairs + d * encoded_tokens
+        + e * has_prompt_tokens
 where attention_pairs counts query-key pairs: each decode's context, plus each prompt
 chunk's tokens x the keys they see, and encoded_tokens is the share of images' placeholder
 tokens whose encode the step's vision encoder runs: each image's tokens times the fraction of
 its encode's units (tower blocks + 1) run in the step, as the scheduler cuts an encode across
 steps (a vision-language model's; one family's tower does work in proportion to them:
 Qwen2.5-VL 4 patches a token, LLaVA one). (Separate terms for decode and prefill attention were
-collinear with the base cost in practice and overestimated decodes.) The coefficients are refitted by
+collinear with the base cost in practice and overestimated decodes.) has_prompt_tokens is what
+a step pays once for holding prompt rows at all, whatever their number: on quantized weights
+every linear dequantizes and packs its weight for them (~45 ms a step on SmolLM2's GGUF file
+on 2 Zen 4 cores, as much as 80 prompt tokens); without it the fit spreads that cost over the
+tokens and underestimates the small chunks a tight target leaves. The coefficients are refitted by
 least squares on recent steps, so the model follows the machine it runs on, its load and its
 thread count. With `--target-itl-ms X`, each step with decodes gets the largest prefill budget
 whose predicted step time, times the model's recent underestimate, stays under X. How much a
@@ -44,12 +49,14 @@ def step_features(
     the placeholder tokens of the images it encodes, each image's times the share of its
     encode the step runs."""
     pairs = sum(decode_contexts) + sum(n * (start + n / 2) for n, start in prefill_chunks)
+    tokens = sum(n for n, _ in prefill_chunks)
     return [
         1.0,
         float(len(decode_contexts)),
-        float(sum(n for n, _ in prefill_chunks)),
+        float(tokens),
         float(pairs),
         float(encoded_tokens),
+        float(tokens > 0),
     ]
 
 
