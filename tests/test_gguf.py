@@ -210,6 +210,27 @@ def test_quantized_gguf_runs_as_dequantized(gguf_file, monkeypatch, qtype):
     assert rel_err(got, want) < 0.1 and mean_kl(want, got) < 5e-3
 
 
+def test_prompt_chunks_multiply_dense_copies_where_they_fit(gguf_file, monkeypatch, caplog):
+    """Kept beside the blocks, a dense copy of each weight runs the prompt chunks: the same
+    weights and dtype as dequantizing the blocks every step, so the same logits up to the
+    GEMMs' summation order; decodes still read the blocks."""
+    path, ids = gguf_file("llama", QType.Q4_1, **PLAIN_LLAMA), prompt(48)
+    copied, _ = load_gguf(path)
+    require_our_kernels(copied.kernels.gguf_blocks, "our GGUF block kernels")
+    linears = [lin for layer in copied.layers for lin in (layer.qkv, layer.o, layer.down)]
+    assert copied.kernels.gguf_prompt_copies and all(lin.prompt_copy for lin in linears)
+    assert copied.lm_head.narrow.prompt_copy is None  # it multiplies sampled rows only
+    monkeypatch.setattr("gapless.model.gguf.PROMPT_COPIES_SHARE", 1e-9)
+    with caplog.at_level("INFO", logger="gapless.model"):
+        blocks_only, _ = load_gguf(path)
+    assert not blocks_only.kernels.gguf_prompt_copies
+    assert "would take more than" in caplog.text
+    chunks = [40, 1, 1, 1, 1, 1, 1, 1, 1]  # a prompt chunk, then decode-sized rows
+    want = run_chunks(ModelRunner(blocks_only, 8, 16), Seq(ids, 0), chunks)
+    got = run_chunks(ModelRunner(copied, 8, 16), Seq(ids, 0), chunks)
+    assert mean_kl(want, got) < 1e-4 and rel_err(got, want) < 0.02
+
+
 def test_a_file_of_dequantized_weights_runs_float32_by_default(gguf_file):
     # As files with int4 weights do; in bf16 Gemma 3 270M's Q4_K_M file fell into loops.
     decoder, _ = load_gguf(gguf_file("llama", QType.Q8_0, **PLAIN_LLAMA))

@@ -91,6 +91,10 @@ class Kernels:
     # and keeps the residual stream and norms in float32 (see resolve_dtype).
     # None: the run dtype everywhere.
     reduced_dtype: torch.dtype | None = None
+    # GGUF linears' prompt chunks multiply a dense copy of the weight, made at load and kept
+    # beside its blocks, instead of dequantizing the blocks every step (BlockLinear): the
+    # loader sets it where the copies fit (model/gguf.py).
+    gguf_prompt_copies: bool = False
 
     @property
     def attention_dtype(self) -> torch.dtype:
@@ -124,7 +128,12 @@ class Kernels:
     ) -> Linear:
         rows, dense = self.int_kernel_max_rows, self.reduced_dtype
         if isinstance(weight, BlockQuant):
-            return BlockLinear(weight, bias, rows, dense)
+            copy = None
+            if self.gguf_prompt_copies:
+                w = weight.dequantize(dense or self.dtype)
+                packed = self.packed_linear and packed_linear_works(w.dtype)
+                copy = PackedLinear(w) if packed else PlainLinear(w)
+            return BlockLinear(weight, bias, rows, dense, copy)
         if isinstance(weight, GroupQuant) and weight.codes.dtype == torch.int8:
             return Int8Linear(weight, bias, self.int8_dtype, rows, dense)
         if isinstance(weight, GroupQuant):
@@ -209,6 +218,8 @@ class Kernels:
             quant += ", GGUF blocks on our kernels"
         if self.reduced_dtype:
             quant += f", quantized prefill and dense lm_head on {_name(self.reduced_dtype)}"
+        if self.gguf_prompt_copies:
+            quant += ", GGUF prompt chunks on dense copies"
         if self.attention_dtype != self.dtype:
             decode += f", {_name(self.attention_dtype)} attention"
         return f"kernels: {where}, {dtype} {linear} linear, {attn} attention, {decode}, {quant}"
