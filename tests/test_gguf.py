@@ -228,7 +228,10 @@ def test_prompt_chunks_multiply_dense_copies_where_they_fit(gguf_file, monkeypat
     chunks = [40, 1, 1, 1, 1, 1, 1, 1, 1]  # a prompt chunk, then decode-sized rows
     want = run_chunks(ModelRunner(blocks_only, 8, 16), Seq(ids, 0), chunks)
     got = run_chunks(ModelRunner(copied, 8, 16), Seq(ids, 0), chunks)
-    assert mean_kl(want, got) < 1e-4 and rel_err(got, want) < 0.02
+    # The two paths sum the same bf16 products in other orders (AMX tiles against AVX-512
+    # dot products: 1.04e-4 on a Sapphire Rapids, under 1e-4 on Zen 4); a copy of weights 1%
+    # off gives about ten times the bound.
+    assert mean_kl(want, got) < 3e-4 and rel_err(got, want) < 0.02
 
 
 def test_a_file_of_dequantized_weights_runs_float32_by_default(gguf_file):
