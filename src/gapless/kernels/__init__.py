@@ -271,7 +271,7 @@ def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) ->
     reduced = torch.bfloat16 if fast_bf16 else None
     # With AMX the flash op keeps the chunks: ours was slower there (a Sapphire Rapids, 2
     # vCPUs, the default model: a 512-token chunk after 7,680 keys took 2.8-3.3 s on ours in
-    # bf16, 2.2-2.4 s on the flash op in float32).
+    # bf16, 2.2-2.4 s on the flash op in float32, each with every row's logits).
     chunk_dtype = reduced or dtype
     paged_prefill = (
         cpu and "amx" not in machine().cpu_isa and paged_prefill_works(chunk_dtype, chunk_dtype)
