@@ -14,7 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
+from gapless.engine.request import RequestState
 from gapless.engine.sampling_params import SamplingParams
+from gapless.engine.scheduler import Scheduler
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -71,3 +73,17 @@ def load_script(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def run_step(scheduler: Scheduler) -> dict[str, int]:
+    """Schedules one step and plays the engine's part: computes the chunks, and a finished
+    prompt starts decoding. Returns each scheduled request's chunk size."""
+    sizes = {}
+    for chunk in scheduler.schedule().chunks:
+        req = chunk.request
+        req.num_computed += chunk.num_tokens
+        if req.num_uncomputed == 0:
+            req.state = RequestState.DECODING
+            req.output_ids.append(7)
+        sizes[req.request_id] = chunk.num_tokens
+    return sizes

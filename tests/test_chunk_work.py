@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 
 import pytest
+from helpers import run_step
 
 from gapless.engine.request import Request, RequestState
 from gapless.engine.sampling_params import SamplingParams
@@ -52,20 +53,7 @@ def request(rid: str, prompt_len: int) -> Request:
 def decoding(scheduler: Scheduler, streams: int) -> None:
     for i in range(streams):
         scheduler.add(request(f"s{i}", 8))
-    step(scheduler)
-
-
-def step(scheduler: Scheduler) -> dict[str, int]:
-    """One step's chunk per request, the engine's part played: a finished prompt decodes."""
-    sizes = {}
-    for chunk in scheduler.schedule().chunks:
-        req = chunk.request
-        req.num_computed += chunk.num_tokens
-        if req.num_uncomputed == 0:
-            req.state = RequestState.DECODING
-            req.output_ids.append(7)
-        sizes[req.request_id] = chunk.num_tokens
-    return sizes
+    run_step(scheduler)
 
 
 def scheduler(**options) -> Scheduler:
@@ -80,7 +68,7 @@ def test_chunks_of_a_long_prompt_shrink_to_a_fresh_chunks_work():
     sched.add(long)
     starts, sizes = [0], []
     while long.state is not RequestState.DECODING:
-        sizes.append(step(sched)["long"])
+        sizes.append(run_step(sched)["long"])
         starts.append(starts[-1] + sizes[-1])
     assert sizes[0] == 512 and starts[-1] == 8192
     assert sizes == sorted(sizes, reverse=True) and sizes[-2] < 512 / 3
@@ -95,10 +83,10 @@ def test_prompts_sharing_a_step_share_its_work():
     deep = request("deep", 6000)
     sched.add(deep)
     while deep.num_computed < 4096:
-        step(sched)
+        run_step(sched)
     sched.add(request("fresh", 1000))
     start = deep.num_computed
-    sizes = step(sched)
+    sizes = run_step(sched)
     assert 0 < sizes["deep"] < 512 and 0 < sizes["fresh"] < 512 - sizes["deep"]
     spent = work(sizes["deep"], start) + work(sizes["fresh"], 0)
     assert spent <= work(512, 0) < spent + 1 + 1 / 3072
@@ -110,7 +98,7 @@ def test_a_history_too_long_for_the_budget_still_moves_a_token_a_step():
     sched = Scheduler(config, BlockPool(4096, 16), prompt_work=lambda n, start: n * (1 + start))
     decoding(sched, streams=1)
     sched.add(request("deep", 520))
-    assert [step(sched)["deep"] for _ in range(3)] == [512, 1, 1]
+    assert [run_step(sched)["deep"] for _ in range(3)] == [512, 1, 1]
 
 
 def test_a_latency_targets_budget_is_taken_as_tokens():
@@ -126,4 +114,4 @@ def test_a_latency_targets_budget_is_taken_as_tokens():
     decoding(sched, streams=2)
     deep = request("deep", 9000)
     sched.add(deep)
-    assert [step(sched)["deep"] for _ in range(30)] == [300] * 30  # to 9,000 tokens
+    assert [run_step(sched)["deep"] for _ in range(30)] == [300] * 30  # to 9,000 tokens

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import run_step
 
 from gapless.engine.admission import PromptImage
 from gapless.engine.config import EngineConfig
@@ -43,20 +44,6 @@ class FakeCostModel:
 
 def request(rid: str, prompt_len: int) -> Request:
     return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=10_000))
-
-
-def run_step(scheduler: Scheduler) -> dict[str, int]:
-    """Schedules one step and plays the engine's part: computes the chunks, and a finished
-    prompt starts decoding."""
-    sizes = {}
-    for chunk in scheduler.schedule().chunks:
-        req = chunk.request
-        req.num_computed += chunk.num_tokens
-        if req.num_uncomputed == 0:
-            req.state = RequestState.DECODING
-            req.output_ids.append(7)
-        sizes[req.request_id] = chunk.num_tokens
-    return sizes
 
 
 def decoding_scheduler(model: FakeCostModel, streams: int) -> Scheduler:
