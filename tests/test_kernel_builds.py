@@ -37,8 +37,8 @@ def test_every_build_of_every_extension_was_compiled_at_install(ext, level):
 
 def test_the_probe_chooses_our_kernels_on_this_machine():
     """The builds for this CPU's level, with no compiler run: GGUF blocks, step ops and paged
-    decodes in float32 (over f16 and int8 caches too), and where the CPU multiplies bf16 fast, the bf16 KV cache and prompt
-    chunks on our kernel too."""
+    decodes in float32 (over f16 and int8 caches too); where the CPU multiplies bf16 fast,
+    attention in bf16, and prompt chunks on our kernel too unless the CPU has AMX."""
     level = build.cpu_level()
     require_our_kernels(blocks.extension() is not None, "our GGUF block kernels")
     require_our_kernels(paged.extension() is not None, "our paged attention kernel")
@@ -50,10 +50,9 @@ def test_the_probe_chooses_our_kernels_on_this_machine():
     if machine().fast_cpu_bf16 and probe.packed_linear_works(torch.bfloat16):
         assert chosen.reduced_dtype == torch.bfloat16
         assert kernels.select(CPU, torch.bfloat16).paged_decode
-        # With AMX, prompt chunks stay on the flash op, and attention in float32 (kernels.select)
-        ours = "amx" not in machine().cpu_isa
-        assert chosen.paged_prefill == ours
-        assert chosen.attention_dtype == (torch.bfloat16 if ours else torch.float32)
+        # With AMX, prompt chunks stay on the flash op, in bf16 on its tiles (kernels.select)
+        assert chosen.paged_prefill == ("amx" not in machine().cpu_isa)
+        assert chosen.attention_dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize(

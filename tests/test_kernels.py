@@ -73,8 +73,8 @@ def test_quantized_weights_run_float32_with_bf16_compute_where_bf16_is_fast(monk
     x = torch.randn(40, 64)  # more rows than the int kernel takes: the dense path
     want = F.linear(x.bfloat16(), q.dequantize(torch.bfloat16)).float()
     assert torch.equal(linear(x), want)
-    # Where our kernel does not attend prompt chunks (AMX, no compiler), attention stays
-    # float32: the flash op computes bf16 at the float32 rate, and rounds differently.
+    # Where our kernel does not attend prompt chunks (no compiler) and the CPU has no AMX,
+    # attention stays float32: the flash op computes bf16 at the float32 rate there.
     monkeypatch.setattr(kernels, "paged_prefill_works", lambda q, cache: False)
     flash = kernels.select(CPU, torch.float32, quantized=True)
     assert flash.reduced_dtype == torch.bfloat16 and flash.attention_dtype == torch.float32
@@ -113,12 +113,15 @@ def test_a_narrow_lm_head_keeps_its_best_logits_exact():
     )
 
 
-def test_amx_keeps_prompt_chunks_on_the_flash_op(monkeypatch):
+def test_amx_attends_prompt_chunks_on_the_flash_op_in_bf16(monkeypatch):
     isa = ("avx2", "avx512", "avx512-bf16", "amx")
     monkeypatch.setattr(kernels, "machine", lambda: Machine("SPR", isa, "AVX512_CORE_AMX", None))
+    monkeypatch.setattr(kernels, "packed_linear_works", lambda dtype: True)
     chosen = kernels.select(CPU, torch.bfloat16)
     assert not chosen.paged_prefill and not chosen.prefills_paged(64, torch.bfloat16)
-    assert kernels.select(CPU, torch.float32, quantized=True).attention_dtype == torch.float32
+    quantized = kernels.select(CPU, torch.float32, quantized=True)
+    assert not quantized.paged_prefill and quantized.attention_dtype == torch.bfloat16
+    assert quantized.kv_cache_dtype("auto", 64) == torch.bfloat16
 
 
 def test_cuda_gets_public_ops():

@@ -228,11 +228,14 @@ class Kernels:
 def _attention_dtype(
     dtype: torch.dtype, reduced: torch.dtype | None, paged_prefill: bool
 ) -> torch.dtype:
-    """A reduced dtype only where our bf16 kernel attends prompt chunks: that is where it pays
-    (the CPU flash op computes bf16 at the float32 rate), and the flash op's bf16 rounding
-    turned the default model's greedy answer to "What is the capital of France?" from 'The'
-    to 'L' (logits 0.03 apart)."""
-    return reduced if reduced and paged_prefill else dtype
+    """A reduced dtype only where prompt chunks attend in it fast: on our bf16 kernel, or on
+    the flash op with AMX, whose bf16 products run on its tiles (2.7-3.1x its float32 speed
+    on a Sapphire Rapids). Elsewhere the flash op computes bf16 at the float32 rate, so it
+    would cost accuracy for nothing. In a run whose linears take bf16 activations, bf16
+    attention drifts from float32 attention about as much as a float16 cache alone does
+    (docs/server.md, "KV cache types")."""
+    fast = paged_prefill or "amx" in machine().cpu_isa
+    return reduced if reduced and fast else dtype
 
 
 def kv_cache_row(head_dim: int, cache_dtype: torch.dtype) -> int:
@@ -269,9 +272,10 @@ def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) ->
     cpu = device.type == "cpu" and not fallback
     fast_bf16 = cpu and quantized and dtype == torch.float32 and _fast_cpu_half(torch.bfloat16)
     reduced = torch.bfloat16 if fast_bf16 else None
-    # With AMX the flash op keeps the chunks: ours was slower there (a Sapphire Rapids, 2
-    # vCPUs, the default model: a 512-token chunk after 7,680 keys took 2.8-3.3 s on ours in
-    # bf16, 2.2-2.4 s on the flash op in float32, each with every row's logits).
+    # With AMX the flash op keeps the chunks: ours (AVX512-BF16 dot products, no tiles) was
+    # slower there even against its float32 (a Sapphire Rapids, 2 vCPUs, the default model:
+    # a 512-token chunk after 7,680 keys took 2.8-3.3 s on ours in bf16, 2.2-2.4 s on the
+    # flash op in float32, each with every row's logits), and its bf16 is faster still.
     chunk_dtype = reduced or dtype
     paged_prefill = (
         cpu and "amx" not in machine().cpu_isa and paged_prefill_works(chunk_dtype, chunk_dtype)
