@@ -233,7 +233,7 @@ def _attention_dtype(
     on a Sapphire Rapids). Elsewhere the flash op computes bf16 at the float32 rate, so it
     would cost accuracy for nothing. In a run whose linears take bf16 activations, bf16
     attention drifts from float32 attention about as much as a float16 cache alone does
-    (docs/server.md, "KV cache types")."""
+    (docs/server.md, "The KV cache")."""
     fast = paged_prefill or "amx" in machine().cpu_isa
     return reduced if reduced and fast else dtype
 
