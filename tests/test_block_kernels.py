@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from helpers import require_our_kernels
 
 from gapless.bench.gguf_files import random_blocks
-from gapless.kernels import blocks, probe, step_ops
+from gapless.kernels import AMX_GEMV_ROWS, blocks, probe, step_ops
 from gapless.kernels.extensions import GGUF_BLOCKS
 from gapless.kernels.linear import BlockLinear
 from gapless.kernels.machine import machine
@@ -40,7 +40,8 @@ KQUANTS = {t: name for t, name in TYPES.items() if block_elems(t) == 256}
 
 # Shapes per block size: columns (K) are multiples of the block.
 COLS = {32: 96, 256: 768}  # dequantize, mm
-GEMV_M = {32: [1, 2, 3, 5, 16], 256: [1, 3, 16]}
+# Up to the most rows a linear sends to gemv (kernels.AMX_GEMV_ROWS, with AMX).
+GEMV_M = {32: [1, 2, 3, 5, 16, AMX_GEMV_ROWS], 256: [1, 3, 16, AMX_GEMV_ROWS]}
 GEMV_K = {32: [96, 1056], 256: [512, 768]}
 # gemv against F.linear on the same 8-bit activations: float32 rounding only (see the test).
 GEMV_REL = {32: 1e-5, 256: 1e-6}
@@ -245,7 +246,7 @@ def test_interleaved_rows_hold_the_same_weight(ext, qtype):
 
 
 @pytest.mark.parametrize("qtype", INTERLEAVED, ids=INTERLEAVED.values())
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, AMX_GEMV_ROWS])
 @pytest.mark.parametrize("k", [96, 1056])
 def test_gemv_on_interleaved_rows_equals_linear_on_8_bit_activations(ext, qtype, m, k):
     b = weight(qtype, 208, k, seed=m)

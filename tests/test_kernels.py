@@ -67,6 +67,7 @@ def test_quantized_weights_run_float32_with_bf16_compute_where_bf16_is_fast(monk
     chosen = kernels.select(CPU, torch.float32, quantized=True)
     assert chosen.attention_dtype == torch.bfloat16
     assert "bfloat16 attention" in chosen.describe()
+    assert chosen.gguf_gemv_max_rows == kernels.DECODE_ROWS  # no AMX
     q = quantize_int4(torch.randn(32, 64), 32)
     linear = chosen.linear(q)
     assert linear.dense_dtype == torch.bfloat16
@@ -122,6 +123,8 @@ def test_amx_attends_prompt_chunks_on_the_flash_op_in_bf16(monkeypatch):
     quantized = kernels.select(CPU, torch.float32, quantized=True)
     assert not quantized.paged_prefill and quantized.attention_dtype == torch.bfloat16
     assert quantized.kv_cache_dtype("auto", 64) == torch.bfloat16
+    # GGUF linears keep up to AMX_GEMV_ROWS rows on the block kernels, not DECODE_ROWS.
+    assert quantized.gguf_gemv_max_rows == kernels.AMX_GEMV_ROWS > kernels.DECODE_ROWS
 
 
 def test_cuda_gets_public_ops():
