@@ -223,15 +223,17 @@ def test_quantized_experts_run_in_their_blocks_as_dequantized(
             assert held_bytes == file_bytes[name]
     monkeypatch.setenv("GAPLESS_KERNELS", "fallback")  # dequantized float32 weights
     dequantized, _ = load_gguf(path, "float32")
-    ids = prompt(32)
-    want = run_chunks(ModelRunner(dequantized, 8, 16), Seq(ids, 0), [32])
-    # A chunk, whose experts get more and fewer than 16 rows each, then decodes: activations
+    # A chunk, whose experts get more and fewer rows each than the block kernels' integer
+    # path takes (gguf_gemv_max_rows: 16, or 32 with AMX), then decodes: activations
     # in 8 bits per block of 32 against the blocks (bf16 tiles for the experts with more
     # rows, where the CPU multiplies bf16 fast), as test_gguf's dense files run. That moved
     # a typical row's logits by 1-2% of its largest here; and where a router's choice is a
     # near-tie, the rounding can flip it: one token of 32 moved by 20% (a layout or routing
     # mistake moves every row by about as much as the logits are large).
-    got = run_chunks(ModelRunner(decoder, 8, 16), Seq(ids, 0), [28, 1, 1, 1, 1])
+    chunk = 2 * decoder.kernels.gguf_gemv_max_rows - 4  # mixtral: top-2 of 4, ~half each
+    ids = prompt(chunk + 4)
+    want = run_chunks(ModelRunner(dequantized, 8, 16), Seq(ids, 0), [chunk + 4])
+    got = run_chunks(ModelRunner(decoder, 8, 16), Seq(ids, 0), [chunk, 1, 1, 1, 1])
     row_err = (got - want).abs().amax(-1) / want.abs().amax(-1)
     assert row_err.median().item() < 0.05 and mean_kl(want, got) < 5e-3
 
