@@ -218,7 +218,7 @@ class Kernels:
             for name, dt in (("int8", self.int8_dtype), ("int4", self.int4_dtype))
         )
         if self.gguf_blocks:
-            quant += f", GGUF blocks on our kernels to {self.gguf_gemv_max_rows} rows"
+            quant += f", GGUF blocks on our kernels up to {self.gguf_gemv_max_rows} rows"
         if self.reduced_dtype:
             quant += f", quantized prefill and dense lm_head on {_name(self.reduced_dtype)}"
         if self.gguf_prompt_copies:
