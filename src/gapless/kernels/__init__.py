@@ -289,9 +289,8 @@ def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) ->
     # a 512-token chunk after 7,680 keys took 2.8-3.3 s on ours in bf16, 2.2-2.4 s on the
     # flash op in float32, each with every row's logits), and its bf16 is faster still.
     chunk_dtype = reduced or dtype
-    paged_prefill = (
-        cpu and "amx" not in machine().cpu_isa and paged_prefill_works(chunk_dtype, chunk_dtype)
-    )
+    amx = cpu and "amx" in machine().cpu_isa
+    paged_prefill = cpu and not amx and paged_prefill_works(chunk_dtype, chunk_dtype)
     attention_dtype = _attention_dtype(dtype, reduced, paged_prefill)  # before the Kernels
     kernels = Kernels(
         device,
@@ -301,7 +300,7 @@ def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) ->
         gguf_blocks=cpu and quantized and gguf_blocks_work(),
         paged_decode=cpu and paged_decode_works(attention_dtype, attention_dtype),
         paged_prefill=paged_prefill,
-        gguf_gemv_max_rows=AMX_GEMV_ROWS if cpu and "amx" in machine().cpu_isa else DECODE_ROWS,
+        gguf_gemv_max_rows=AMX_GEMV_ROWS if amx else DECODE_ROWS,
         int8_dtype=None if fallback else _int_kernel_dtype(int8_mm_works, device, dtype),
         int4_dtype=None if fallback else _int_kernel_dtype(int4_mm_works, device, dtype),
         reduced_dtype=reduced,
