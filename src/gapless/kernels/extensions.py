@@ -23,6 +23,7 @@ ISA_CFLAGS = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
     "avx512-vnni": ("-mavx512vnni",),
     "avx512-bf16": ("-mavx512bf16",),
+    "amx": ("-mamx-tile", "-mamx-bf16"),
 }
 
 # Every level the run-time choice may pick on x86-64, lowest first.
@@ -32,6 +33,7 @@ LEVELS = {
     "avx512": ("avx2", "avx512"),
     "avx512-vnni": ("avx2", "avx512", "avx512-vnni"),
     "avx512-bf16": ("avx2", "avx512", "avx512-vnni", "avx512-bf16"),
+    "amx": ("avx2", "avx512", "avx512-vnni", "avx512-bf16", "amx"),
 }
 
 
@@ -81,7 +83,7 @@ PAGED_ATTENTION = Extension(
     "paged_attention",
     ("paged_attention.cpp",),
     ("-O3", "-fopenmp", "-ffast-math"),
-    ("avx2", "avx512", "avx512-bf16"),
+    ("avx2", "avx512", "avx512-bf16", "amx"),
 )
 # The GGUF block kernels, with the step's small ops and the experts' grouped linears. No FMA
 # contraction: dequantize's d * code + m must round as the `gguf` package's numpy.
