@@ -16,7 +16,7 @@ from helpers import require_our_kernels
 
 from gapless import kernels
 from gapless.kernels import blocks, build, paged, probe
-from gapless.kernels.extensions import EXTENSIONS, GGUF_BLOCKS, PACKAGE, PAGED_ATTENTION
+from gapless.kernels.extensions import EXTENSIONS, GGUF_BLOCKS, LEVELS, PACKAGE, PAGED_ATTENTION
 from gapless.kernels.machine import Machine, machine
 
 CPU = torch.device("cpu")
@@ -38,7 +38,7 @@ def test_every_build_of_every_extension_was_compiled_at_install(ext, level):
 def test_the_probe_chooses_our_kernels_on_this_machine():
     """The builds for this CPU's level, with no compiler run: GGUF blocks, step ops and paged
     decodes in float32 (over f16 and int8 caches too); where the CPU multiplies bf16 fast,
-    attention in bf16, and prompt chunks on our kernel too unless the CPU has AMX."""
+    attention in bf16, and prompt chunks on our kernel too."""
     level = build.cpu_level()
     require_our_kernels(blocks.extension() is not None, "our GGUF block kernels")
     require_our_kernels(paged.extension() is not None, "our paged attention kernel")
@@ -50,8 +50,8 @@ def test_the_probe_chooses_our_kernels_on_this_machine():
     if machine().fast_cpu_bf16 and probe.packed_linear_works(torch.bfloat16):
         assert chosen.reduced_dtype == torch.bfloat16
         assert kernels.select(CPU, torch.bfloat16).paged_decode
-        # With AMX, prompt chunks stay on the flash op, in bf16 on its tiles (kernels.select)
-        assert chosen.paged_prefill == ("amx" not in machine().cpu_isa)
+        # Prompt chunks on our kernel where its build has bf16 dot products or AMX tiles.
+        assert chosen.paged_prefill == ("avx512-bf16" in LEVELS[level])
         assert chosen.attention_dtype == torch.bfloat16
 
 
@@ -63,7 +63,8 @@ def test_the_probe_chooses_our_kernels_on_this_machine():
         (("avx2", "avx512"), "avx512"),
         (("avx2", "avx512", "avx512-bf16"), "avx512"),  # bf16 without VNNI: no level has it
         (("avx2", "avx512", "avx512-vnni"), "avx512-vnni"),
-        (("avx2", "avx512", "avx512-vnni", "avx512-bf16", "amx"), "avx512-bf16"),
+        (("avx2", "avx512", "avx512-vnni", "avx512-bf16"), "avx512-bf16"),
+        (("avx2", "avx512", "avx512-vnni", "avx512-bf16", "amx"), "amx"),
     ],
 )
 def test_a_cpu_runs_the_highest_level_it_has_every_instruction_of(monkeypatch, isa, level):

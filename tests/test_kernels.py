@@ -4,7 +4,6 @@ paged cache, each matching the public-op path on the tiny checkpoints."""
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import gapless.kernels as kernels
 from gapless import LLM, SamplingParams
 from gapless.engine.runner import ModelRunner
 from gapless.kernels import kv_format, step_ops
-from gapless.kernels.extensions import PAGED_ATTENTION
+from gapless.kernels.extensions import LEVELS, PAGED_ATTENTION
 from gapless.kernels.linear import Int4Linear, NarrowLinear, PackedLinear, PlainLinear
 from gapless.kernels.machine import Machine
 from gapless.kernels.plans import (
@@ -114,14 +113,17 @@ def test_a_narrow_lm_head_keeps_its_best_logits_exact():
     )
 
 
-def test_amx_attends_prompt_chunks_on_the_flash_op_in_bf16(monkeypatch):
+@pytest.mark.parametrize("built", [True, False])
+def test_amx_attends_prompt_chunks_in_bf16_on_the_tiles(monkeypatch, built):
+    """On our kernel's AMX build; where it is not built, on the flash op, whose bf16 products
+    run on the tiles too."""
     isa = ("avx2", "avx512", "avx512-bf16", "amx")
     monkeypatch.setattr(kernels, "machine", lambda: Machine("SPR", isa, "AVX512_CORE_AMX", None))
     monkeypatch.setattr(kernels, "packed_linear_works", lambda dtype: True)
-    chosen = kernels.select(CPU, torch.bfloat16)
-    assert not chosen.paged_prefill and not chosen.prefills_paged(64, torch.bfloat16)
+    monkeypatch.setattr(kernels, "paged_prefill_works", lambda query, cache: built)
+    assert kernels.select(CPU, torch.bfloat16).paged_prefill == built
     quantized = kernels.select(CPU, torch.float32, quantized=True)
-    assert not quantized.paged_prefill and quantized.attention_dtype == torch.bfloat16
+    assert quantized.paged_prefill == built and quantized.attention_dtype == torch.bfloat16
     assert quantized.kv_cache_dtype("auto", 64) == torch.bfloat16
     # GGUF linears keep up to AMX_GEMV_ROWS rows on the block kernels, not DECODE_ROWS.
     assert quantized.gguf_gemv_max_rows == kernels.AMX_GEMV_ROWS > kernels.DECODE_ROWS
@@ -393,11 +395,9 @@ def test_a_bidirectional_range_cut_by_its_chunk_is_refused():
         planner.plan([Span(0, 0, 16, [0, 1], ((10, 20),))])
 
 
-@pytest.fixture(params=list(PAGED_ATTENTION.builds().values()))
-def paged_build(request, monkeypatch):
-    """Each distinct build of the paged kernel the install compiled (by the lowest level that
-    runs it) where this CPU runs it, as the one paged.paged_attention calls."""
-    level = request.param
+def use_paged_build(level: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The build of the paged kernel for `level` as the one paged.paged_attention calls, where
+    this CPU runs it; else the test is skipped (the build is checked in test_kernel_builds)."""
     if missing := set(PAGED_ATTENTION.isa(level)) - set(kernels.machine().cpu_isa):
         pytest.skip(
             f"this CPU lacks {sorted(missing)} (the build is checked in test_kernel_builds)"
@@ -406,6 +406,25 @@ def paged_build(request, monkeypatch):
     require_our_kernels(built is not None, f"the {level} build of our paged attention kernel")
     monkeypatch.setattr(kernels.paged, "extension", lambda: built)
     return level
+
+
+@pytest.fixture(params=list(PAGED_ATTENTION.builds().values()))
+def paged_build(request, monkeypatch):
+    """Each distinct build of the paged kernel the install compiled (by the lowest level that
+    runs it)."""
+    return use_paged_build(request.param, monkeypatch)
+
+
+# The builds that run prompt chunks: bf16 dot products (AVX512-BF16), and AMX's tiles.
+PREFILL_LEVELS = [
+    level for level in PAGED_ATTENTION.builds().values() if "avx512-bf16" in LEVELS[level]
+]
+
+
+@pytest.fixture(params=PREFILL_LEVELS)
+def prefill_build(request, monkeypatch):
+    """Each build of the paged kernel that runs prompt chunks, where this CPU runs it."""
+    return use_paged_build(request.param, monkeypatch)
 
 
 def require_paged_prefill(cache_dtype=torch.bfloat16) -> None:
@@ -457,7 +476,7 @@ def test_paged_decode_kernel_splits_long_sequences_exactly(
 @pytest.mark.parametrize("window", [None, 20, 40])
 @pytest.mark.parametrize(("n", "block_size"), [(5, 16), (37, 8), (70, 32)])
 def test_paged_prefill_kernel_matches_attention_over_gathered_keys(
-    cache_dtype, heads, kv_heads, dim, window, n, block_size
+    prefill_build, cache_dtype, heads, kv_heads, dim, window, n, block_size
 ):
     require_paged_prefill(cache_dtype)
     check_paged_kernel(torch.bfloat16, cache_dtype, heads, kv_heads, dim, window, n, block_size)
@@ -465,7 +484,9 @@ def test_paged_prefill_kernel_matches_attention_over_gathered_keys(
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES, ids=str)
 @pytest.mark.parametrize("window", [None, 20])
-def test_paged_prefill_kernel_attends_each_query_to_its_last_key(cache_dtype, window):
+def test_paged_prefill_kernel_attends_each_query_to_its_last_key(
+    prefill_build, cache_dtype, window
+):
     """A prompt chunk's queries given later last keys (a bidirectional range) see up to them."""
     require_paged_prefill(cache_dtype)
     check_paged_kernel(
@@ -496,11 +517,6 @@ def test_bf16_chunks_on_our_kernel_match_the_public_ops(checkpoint, arch, monkey
     """Prompt chunks against their history, and mistral's 24-token window, on the kernel
     (head size 32 is one it takes), against the whole prompt on the public ops."""
     require_paged_prefill()
-    # With AMX the runner leaves prompt chunks to the flash op (kernels.select); the kernel is
-    # the AVX512-BF16 build's there too, so it is tested as other CPUs choose it.
-    cpu = kernels.machine()
-    no_amx = replace(cpu, cpu_isa=tuple(isa for isa in cpu.cpu_isa if isa != "amx"))
-    monkeypatch.setattr(kernels, "machine", lambda: no_amx)
     path, ids = checkpoint(arch, head_dim=32), prompt(120)
     runner = ModelRunner(load_decoder(path, "bfloat16"), 32, 16)
     batch = runner._build([runner._input(Seq(ids, 0).chunk(40), False)])

@@ -240,9 +240,9 @@ AMX_GEMV_ROWS = 32
 def _attention_dtype(
     dtype: torch.dtype, reduced: torch.dtype | None, paged_prefill: bool
 ) -> torch.dtype:
-    """A reduced dtype only where prompt chunks attend in it fast: on our bf16 kernel, or on
-    the flash op with AMX, whose bf16 products run on its tiles (2.7-3.1x its float32 speed
-    on a Sapphire Rapids). Elsewhere the flash op computes bf16 at the float32 rate, so it
+    """A reduced dtype only where prompt chunks attend in it fast: on our bf16 kernel (its
+    AVX512-BF16 build, or its AMX one, on the tiles), or on the flash op with AMX, whose bf16
+    products run on the tiles too (2.7-3.1x its float32 speed on a Sapphire Rapids). Elsewhere the flash op computes bf16 at the float32 rate, so it
     would cost accuracy for nothing. In a run whose linears take bf16 activations, bf16
     attention drifts from float32 attention about as much as a float16 cache alone does
     (docs/server.md, "The KV cache")."""
@@ -284,13 +284,9 @@ def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) ->
     cpu = device.type == "cpu" and not fallback
     fast_bf16 = cpu and quantized and dtype == torch.float32 and _fast_cpu_half(torch.bfloat16)
     reduced = torch.bfloat16 if fast_bf16 else None
-    # With AMX the flash op keeps the chunks: ours (AVX512-BF16 dot products, no tiles) was
-    # slower there even against its float32 (a Sapphire Rapids, 2 vCPUs, the default model:
-    # a 512-token chunk after 7,680 keys took 2.8-3.3 s on ours in bf16, 2.2-2.4 s on the
-    # flash op in float32, each with every row's logits), and its bf16 is faster still.
     chunk_dtype = reduced or dtype
+    paged_prefill = cpu and paged_prefill_works(chunk_dtype, chunk_dtype)
     amx = cpu and "amx" in machine().cpu_isa
-    paged_prefill = cpu and not amx and paged_prefill_works(chunk_dtype, chunk_dtype)
     attention_dtype = _attention_dtype(dtype, reduced, paged_prefill)  # before the Kernels
     kernels = Kernels(
         device,

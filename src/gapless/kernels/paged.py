@@ -6,8 +6,9 @@ Gathering each sequence's blocks, padding, masking and calling SDPA copies the w
 every layer, and the CPU flash op spends its time on three query rows per KV head. The kernel
 walks each sequence's block table in place, once per KV head for all the query heads that
 share it. Prompt chunks in bf16, on CPUs with AVX512-BF16, run on it too: the flash op
-computes bf16 attention at the float32 rate, the kernel on the bf16 dot-product instruction
-at over twice that (docs/benchmarks.md has the figures). Where it cannot be built (no
+computes bf16 attention at the float32 rate there, the kernel on the bf16 dot-product
+instruction at over twice that; with AMX, its build for AMX multiplies on the tiles, where
+the flash op took 1.2-2x its time (docs/benchmarks.md has the figures). Where it cannot be built (no
 compiler, no Python headers) the probe says no and the public path runs.
 
 The cache has its own dtype, whatever the query's: float32, bf16, f16, or int8 (uint8 rows,
