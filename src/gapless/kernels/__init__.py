@@ -242,7 +242,8 @@ def _attention_dtype(
 ) -> torch.dtype:
     """A reduced dtype only where prompt chunks attend in it fast: on our bf16 kernel (its
     AVX512-BF16 build, or its AMX one, on the tiles), or on the flash op with AMX, whose bf16
-    products run on the tiles too (2.7-3.1x its float32 speed on a Sapphire Rapids). Elsewhere the flash op computes bf16 at the float32 rate, so it
+    products run on the tiles too (2.7-3.1x its float32 speed on a Sapphire Rapids).
+    Elsewhere the flash op computes bf16 at the float32 rate, so it
     would cost accuracy for nothing. In a run whose linears take bf16 activations, bf16
     attention drifts from float32 attention about as much as a float16 cache alone does
     (docs/server.md, "The KV cache")."""

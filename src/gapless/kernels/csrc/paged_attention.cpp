@@ -8,6 +8,9 @@
 // walking its keys 32 at a time with an online softmax, as flash attention does. Scores and
 // sums in float32 whatever the dtypes.
 //
+// With AMX, the build for it runs both products of a prompt chunk on the tile unit (see
+// prefill_amx); its decodes are the AVX-512 code's.
+//
 // The cache has its own storage type, whatever the query's (float32 or bf16): float32, bf16,
 // f16, or int8 rows (kernels/kv_format.py: a head's D codes, then its D / 32 f16 scales).
 // Each is read in place and converted a vector at a time as it is used: no dequantized copy.
@@ -581,8 +584,8 @@ inline __m512bh bf16_pairs(const uint32_t* words) {
 
 // 2^x for x <= 0: 2^n p(f), n = round(x), f = x - n in [-1/2, 1/2], p of degree 3 fitted to
 // 2^f (relative error 1e-4, a twentieth of the bf16 rounding the weights then get; degree 5
-// cost a fifth more of the AMX kernel's time) with p(0) = 1 exactly, so that 2^0 is 1: a row whose peak did not
-// move is not rescaled. Far below -126 (a masked score) it is 0.
+// cost a fifth more of the AMX kernel's time) with p(0) = 1 exactly, so that 2^0 is 1: a
+// row whose peak did not move is not rescaled. Far below -126 (a masked score) it is 0.
 inline __m512 exp2_nonpositive(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
@@ -948,8 +951,8 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   using T = c10::BFloat16;
   const PagedArgs<T, C> a(q, k_cache, v_cache, block_tables, num_keys, out);
   const int64_t batch = q.size(0) / n;
-  // Queries per item: each loads every tile of its keys once for all its rows, so the most
-  // that still leaves each thread four items (128 took a third less than 32 per 512-token
+  // Queries per item: each lays out every tile of its keys once for all its rows, so the most
+  // that still leaves each thread four items (128 took 15% less time than 32 per 512-token
   // chunk after 7,680 keys; a Sapphire Rapids, 2 threads).
   int64_t queries_per_item = 128;
   while (queries_per_item > 32 && batch * a.kv_heads * ((n + queries_per_item - 1) / queries_per_item) < 4 * at::get_num_threads())
