@@ -670,6 +670,18 @@ struct Tile {
         _mm512_store_si512(values[t] + d + 16, _mm512_permutex2var_epi16(even, kHigh, odd));
       }
   }
+
+  // Keys k0 .. k0 + count - 1 of KV head h of a sequence whose block table is `table`, as
+  // `load` lays them out; padding past the last repeats a real slot.
+  template <typename Q, typename C>
+  void load_keys(const PagedArgs<Q, C>& a, const int64_t* table, int64_t h, int64_t k0, int count) {
+    int64_t slots[kTileKeys];
+    for (int j = 0; j < kTileKeys; ++j) {
+      const int64_t key = k0 + std::min(j, count - 1);
+      slots[j] = table[key / a.block_size] * a.block_size + key % a.block_size;
+    }
+    load<C>(a.keys + h * a.head_stride, a.values + h * a.head_stride, slots, count, a.token_stride);
+  }
 };
 
 // The running softmax of R query rows over one tile: scores, masks (none where every row sees
@@ -750,7 +762,6 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
     auto tile = std::make_unique<Tile<D>>();
     std::vector<float> acc(kTileQueries * a.group * D), peak(kTileQueries * a.group),
         total(kTileQueries * a.group * 16);
-    int64_t slots[kTileKeys];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (a.kv_heads * tiles), h = item / tiles % a.kv_heads;
       const int64_t q0 = item % tiles * kTileQueries, q1 = std::min(n, q0 + kTileQueries);
@@ -767,12 +778,7 @@ void prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_pos + q0 - window + 1) : 0;
       for (int64_t k0 = first_key; k0 <= last_key; k0 += kTileKeys) {
         const int count = static_cast<int>(std::min<int64_t>(kTileKeys, last_key + 1 - k0));
-        for (int j = 0; j < kTileKeys; ++j) {
-          const int64_t key = k0 + std::min(j, count - 1);  // padding repeats a real slot
-          slots[j] = table[key / a.block_size] * a.block_size + key % a.block_size;
-        }
-        tile->template load<C>(a.keys + h * a.head_stride, a.values + h * a.head_stride, slots, count,
-                                  a.token_stride);
+        tile->load_keys(a, table, h, k0, count);
         // The rows whose query sees some key of the tile, kBlockRows consecutive ones at a time.
         const uint32_t* query[kBlockRows];
         __mmask32 valid[kBlockRows];
@@ -976,7 +982,6 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     std::vector<std::array<__mmask32, kAmxRows>> valid(max_rows / kAmxRows);
     std::vector<char> full(max_rows / kAmxRows);
     alignas(64) uint16_t weights[kAmxRows][kTileKeys];
-    int64_t slots[kTileKeys];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (a.kv_heads * tiles), h = item / tiles % a.kv_heads;
       const int64_t q0 = item % tiles * queries_per_item, q1 = std::min(n, q0 + queries_per_item);
@@ -1007,12 +1012,7 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       const int64_t last_key = *std::max_element(high.begin(), high.begin() + rows);
       for (int64_t k0 = first_key; k0 <= last_key; k0 += kTileKeys) {
         const int count = static_cast<int>(std::min<int64_t>(kTileKeys, last_key + 1 - k0));
-        for (int j = 0; j < kTileKeys; ++j) {
-          const int64_t key = k0 + std::min(j, count - 1);  // padding repeats a real slot
-          slots[j] = table[key / a.block_size] * a.block_size + key % a.block_size;
-        }
-        tile->template load<C>(a.keys + h * a.head_stride, a.values + h * a.head_stride, slots, count,
-                                  a.token_stride);
+        tile->load_keys(a, table, h, k0, count);
         // The blocks of 16 rows that see some key of the tile, with their masks (none
         // where every row sees every key of it).
         int64_t active = 0;
