@@ -5,24 +5,28 @@ for (4 x heads x D per attended key, causal: no padding or masked keys counted).
 with scripts/dot_product_peak.cpp's figure for the same threads.
 
 With --baseline, another build of the kernel (a .so, e.g. main's prebuilt one) runs beside
-this tree's, rounds alternating, with the largest difference of their outputs.
+this tree's, rounds alternating, with the largest difference of their outputs. With --flash,
+torch's CPU flash op runs beside them over a bf16 cache (attention.in_place, the path prompt
+chunks took before our kernel had them), given the keys as one contiguous run: its best case.
 
     flock /work/bench.lock .venv/bin/python scripts/measure_chunk_attention.py \
-        [--threads 1] [--chunk 512x7680] [--baseline path/to/paged_attention_....so]
+        [--threads 1] [--chunk 512x7680] [--baseline path/to/paged_attention_....so] [--flash]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from gapless.kernels import kv_format
+from gapless.kernels import attention, kv_format
 from gapless.kernels.paged import extension
 
 HEADS = {"smollm2": (9, 3, 64), "gemma3-270m": (4, 1, 256)}  # q heads, kv heads, head size
@@ -39,12 +43,26 @@ def load_build(path: str) -> ModuleType:
     return module
 
 
+def flash_run(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, history: int
+) -> Callable[[], torch.Tensor]:
+    """The flash op's call for the same chunk: the keys copied out of the blocks in order,
+    once, so that the history is one run of consecutive slots."""
+    keys = history + q.shape[0]
+    flat_k, flat_v = (x[table].flatten(0, 1)[:keys].contiguous() for x in (k, v))
+    k_cache, v_cache = flat_k[None], flat_v[None]  # one block of all the keys
+    new_k, new_v = flat_k[history:], flat_v[history:]
+    runs = [(0, history)] if history else []
+    return lambda: attention.in_place(q, new_k, new_v, k_cache, v_cache, runs).view(q.shape)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunk", default="512x7680", help="TOKENSxHISTORY")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--baseline", help="another build of the kernel, a .so file")
+    parser.add_argument("--flash", action="store_true", help="the CPU flash op too (bf16 cache)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     n, history = (int(x) for x in args.chunk.split("x"))
@@ -64,12 +82,17 @@ def main() -> None:
         for cache, dtype in CACHES.items():
             k, v = (kv_format.quantize_q8(x) if cache == "int8" else x.to(dtype) for x in kv)
             inputs = (q, k, v, tables, num_keys, n, 0, dim**-0.5, None)
-            outs = [b.paged_attention(*inputs).float() for b in builds.values()]  # and a warm-up
-            times: dict[str, list[float]] = {b: [] for b in builds}
+            runs = {
+                b: functools.partial(build.paged_attention, *inputs) for b, build in builds.items()
+            }
+            if args.flash and cache == "bf16":
+                runs["flash op"] = flash_run(q, k, v, tables[0], history)
+            outs = [run().float() for run in runs.values()][:2]  # and a warm-up
+            times: dict[str, list[float]] = {b: [] for b in runs}
             for _ in range(args.rounds):
-                for b, build in builds.items():
+                for b, run in runs.items():
                     start = time.perf_counter()
-                    build.paged_attention(*inputs)
+                    run()
                     times[b].append(time.perf_counter() - start)
             cells = [
                 f"{b} {1e3 * statistics.median(t):7.2f} ms {flops / statistics.median(t) / 1e9:6.1f} GFLOP/s"
