@@ -383,34 +383,41 @@ void attend(const Q* query, float scale, const Elem<C>* __restrict keys,
   std::vector<QueryHead<Q, C, D>> q(heads);
   for (int64_t i = 0; i < heads; ++i) q[i].load(query + i * D);
   std::vector<F> partial(heads * W);
-  int64_t slots[W], later[W];
+  int64_t slots[W];
   // The slots of keys i0 .. i0 + W - 1, one division per W keys; past the last key, its slot
-  // again (a real key, whose weight the softmax sets to 0).
+  // again (a real key, whose weight the softmax sets to 0). Keys of one block are consecutive
+  // slots, so most tiles take no per-key bookkeeping.
   auto slots_of = [&](int64_t i0, int64_t* out) {
     int64_t block = (first + i0) / block_size, offset = (first + i0) % block_size;
     const int count = static_cast<int>(std::min<int64_t>(W, len - i0));
-    for (int j = 0; j < count; ++j) {
-      out[j] = table[block] * block_size + offset;
-      if (++offset == block_size) offset = 0, ++block;
+    if (offset + count <= block_size) {
+      const int64_t slot = table[block] * block_size + offset;
+      for (int j = 0; j < count; ++j) out[j] = slot + j;
+    } else {
+      for (int j = 0; j < count; ++j) {
+        out[j] = table[block] * block_size + offset;
+        if (++offset == block_size) offset = 0, ++block;
+      }
     }
     std::fill(out + count, out + W, out[count - 1]);
   };
-  // The rows of the keys two tiles on, asked into L2 now. Without it a tile's misses were
-  // taken only as its arithmetic reached them, and reading a history went at a third of a
-  // streaming read; with it, 1.25-1.5x faster (docs/benchmarks.md). Into L1 it did not help.
+  // Each key's row of the tile two on is asked into L2 as the key of this tile at the same
+  // place is used. Without it a tile's misses were taken only as its arithmetic reached them,
+  // and reading a history went at a third of a streaming read; with it, 1.25-1.5x faster
+  // (docs/benchmarks.md). Into L1 it did not help; nor did all of a tile's rows asked for at
+  // once before it (10% slower from memory where the arithmetic was faster: SmolLM2's bf16).
+  int64_t later[W];
   const int64_t row_bytes = stride * static_cast<int64_t>(sizeof(Elem<C>));
-  auto prefetch = [&](const Elem<C>* rows, int64_t i0) {
-    if (i0 + 2 * W >= len) return;
-    slots_of(i0 + 2 * W, later);
-    for (int j = 0; j < W; ++j) {
-      const char* p = reinterpret_cast<const char*>(rows + later[j] * stride);
-      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-    }
+  auto prefetch_row = [&](const Elem<C>* rows, int64_t slot) {
+    const char* p = reinterpret_cast<const char*>(rows + slot * stride);
+    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
   };
   for (int64_t i0 = 0; i0 < len; i0 += W) {
     slots_of(i0, slots);
-    prefetch(keys, i0);
+    const bool ahead = i0 + 2 * W < len;
+    if (ahead) slots_of(i0 + 2 * W, later);
     for (int j = 0; j < W; ++j) {
+      if (ahead) prefetch_row(keys, later[j]);
       const Elem<C>* key = keys + slots[j] * stride;
       for (int64_t h = 0; h < kv_heads; ++h) {
         typename QueryHead<Q, C, D>::Key k;
@@ -439,10 +446,14 @@ void attend(const Q* query, float scale, const Elem<C>* __restrict keys,
   }
   for (int64_t i0 = 0; i0 < len; i0 += W) {
     slots_of(i0, slots);
-    prefetch(values, i0);
-    for (int64_t h = 0; h < kv_heads; ++h)  // the rows just read for head 0 are in cache
+    const bool ahead = i0 + 2 * W < len;
+    if (ahead) slots_of(i0 + 2 * W, later);
+    for (int64_t h = 0; h < kv_heads; ++h) {  // the rows just read for head 0 are in cache
+      for (int64_t j = h * W / kv_heads; ahead && j < (h + 1) * W / kv_heads; ++j)
+        prefetch_row(values, later[j]);
       ValueSum<C, D>::add(values + h * row, slots, stride, scores + h * group * padded + i0, padded,
                           group, acc + h * group * D, i0 == 0);
+    }
   }
   ValueSum<C, D>::finish(heads, acc);
 }
