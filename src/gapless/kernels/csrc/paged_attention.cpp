@@ -412,10 +412,15 @@ void attend(const Q* query, float scale, const Elem<C>* __restrict keys,
     const char* p = reinterpret_cast<const char*>(rows + slot * stride);
     for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
   };
-  for (int64_t i0 = 0; i0 < len; i0 += W) {
-    slots_of(i0, slots);
+  // Whether the tile two on from i0 has keys; if it has, their slots are in `later`.
+  auto look_ahead = [&](int64_t i0) {
     const bool ahead = i0 + 2 * W < len;
     if (ahead) slots_of(i0 + 2 * W, later);
+    return ahead;
+  };
+  for (int64_t i0 = 0; i0 < len; i0 += W) {
+    slots_of(i0, slots);
+    const bool ahead = look_ahead(i0);
     for (int j = 0; j < W; ++j) {
       if (ahead) prefetch_row(keys, later[j]);
       const Elem<C>* key = keys + slots[j] * stride;
@@ -446,8 +451,7 @@ void attend(const Q* query, float scale, const Elem<C>* __restrict keys,
   }
   for (int64_t i0 = 0; i0 < len; i0 += W) {
     slots_of(i0, slots);
-    const bool ahead = i0 + 2 * W < len;
-    if (ahead) slots_of(i0 + 2 * W, later);
+    const bool ahead = look_ahead(i0);
     for (int64_t h = 0; h < kv_heads; ++h) {  // the rows just read for head 0 are in cache
       for (int64_t j = h * W / kv_heads; ahead && j < (h + 1) * W / kv_heads; ++j)
         prefetch_row(values, later[j]);
