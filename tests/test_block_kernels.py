@@ -297,23 +297,29 @@ def assert_within(got, want, rel):
     assert (err <= rel * want.double().abs() + 1e-6).all(), err.max().item()
 
 
+# Rows of a decode step, and of a prompt chunk, which the ops split over the threads.
+STEP_ROWS = {"decode": 5, "chunk": 700}
+
+
+@pytest.mark.parametrize("rows", STEP_ROWS.values(), ids=STEP_ROWS)
 @pytest.mark.parametrize("dtype", STEP_DTYPES, ids=str)
-def test_rms_norm_equals_torchs(ext, dtype):
+def test_rms_norm_equals_torchs(ext, dtype, rows):
     gen = torch.Generator().manual_seed(0)
-    rows = torch.randn(5, 200, generator=gen).to(dtype)  # 200: not a multiple of 16
-    heads = torch.randn(3, 7, 64, generator=gen).to(dtype)[:, 2:6]  # q heads of a qkv row
+    flat = torch.randn(rows, 200, generator=gen).to(dtype)  # 200: not a multiple of 16
+    heads = torch.randn(rows, 7, 64, generator=gen).to(dtype)[:, 2:6]  # q heads of a qkv row
     w200, w64 = (torch.randn(n, generator=gen).to(dtype) for n in (200, 64))
-    for x, w in ((rows, w200), (heads, w64)):
+    for x, w in ((flat, w200), (heads, w64)):
         assert_within(ext.rms_norm(x, w, 1e-5), F.rms_norm(x, w.shape, w, 1e-5), STEP_DTYPES[dtype])
 
 
+@pytest.mark.parametrize("rows", STEP_ROWS.values(), ids=STEP_ROWS)
 @pytest.mark.parametrize("dtype", STEP_DTYPES, ids=str)
 @pytest.mark.parametrize("rotary", [64, 32], ids=["full", "partial"])
-def test_rope_equals_the_torch_ops(ext, dtype, rotary, monkeypatch):
+def test_rope_equals_the_torch_ops(ext, dtype, rotary, rows, monkeypatch):
     gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(3, 9 * 64, generator=gen).to(dtype)
-    qk = qkv[:, : 6 * 64].view(3, 6, 64)  # a view into the fused projection, as the layers have
-    angles = torch.randn(3, 1, rotary // 2, generator=gen)
+    qkv = torch.randn(rows, 9 * 64, generator=gen).to(dtype)
+    qk = qkv[:, : 6 * 64].view(rows, 6, 64)  # a view into the fused projection, as the layers have
+    angles = torch.randn(rows, 1, rotary // 2, generator=gen)
     cos = angles.cos().repeat(1, 1, 2).to(dtype)
     signed_sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
     monkeypatch.setenv("GAPLESS_KERNELS", "fallback")  # the torch path of the wrapper
@@ -321,25 +327,27 @@ def test_rope_equals_the_torch_ops(ext, dtype, rotary, monkeypatch):
     assert_within(ext.rope(qk, cos, signed_sin), want, STEP_DTYPES[dtype])
 
 
+@pytest.mark.parametrize("rows", STEP_ROWS.values(), ids=STEP_ROWS)
 @pytest.mark.parametrize("cache_dtype", STEP_DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", STEP_DTYPES, ids=str)
-def test_write_kv_writes_the_slots_cast_to_the_caches_dtype(ext, dtype, cache_dtype):
+def test_write_kv_writes_the_slots_cast_to_the_caches_dtype(ext, dtype, cache_dtype, rows):
     gen = torch.Generator().manual_seed(0)
-    kv = torch.randn(3, 4, 32, generator=gen).to(dtype)
+    kv = torch.randn(rows, 4, 32, generator=gen).to(dtype)
     k, v = kv[:, :2], kv[:, 2:]  # views with a row stride, as the layers' k and v
-    k_cache, v_cache = (torch.zeros(3, 4, 2, 32, dtype=cache_dtype) for _ in range(2))
-    slots = torch.tensor([9, 0, 4])
+    blocks = rows // 4 + 3
+    k_cache, v_cache = (torch.zeros(blocks, 4, 2, 32, dtype=cache_dtype) for _ in range(2))
+    slots = torch.randperm(blocks * 4, generator=gen)[:rows]  # scattered, each once
     got_k, got_v = ext.write_kv(k, v, k_cache, v_cache, slots)
     want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     want_k.flatten(0, 1).index_copy_(0, slots, k.to(cache_dtype))
     want_v.flatten(0, 1).index_copy_(0, slots, v.to(cache_dtype))
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     assert torch.equal(got_k, k.to(cache_dtype)) and torch.equal(got_v, v.to(cache_dtype))
-    with pytest.raises(RuntimeError, match="slot 12 is outside the cache"):
-        ext.write_kv(k, v, k_cache, v_cache, torch.tensor([9, 12, 0]))
+    with pytest.raises(RuntimeError, match=f"slot {blocks * 4} is outside the cache"):
+        ext.write_kv(k[:3], v[:3], k_cache, v_cache, torch.tensor([9, blocks * 4, 0]))
 
 
-def test_step_ops_take_decode_rows_on_our_kernels_and_chunks_on_torchs(monkeypatch):
+def test_step_ops_take_decode_rows_and_chunks_on_our_kernels(monkeypatch):
     require_our_kernels(probe.step_ops_work(), "our step ops")
     calls = []
     ext = blocks.extension()
@@ -350,7 +358,7 @@ def test_step_ops_take_decode_rows_on_our_kernels_and_chunks_on_torchs(monkeypat
         return ext.rms_norm(*args)
 
     w = torch.ones(64)
-    for rows in (1, 16, 17):
+    for rows in (1, 16, 512):
         step_ops.rms_norm(torch.randn(rows, 64), w, 1e-6)
     step_ops.rms_norm(torch.randn(4, 64).double(), w.double(), 1e-6)  # a dtype it lacks
     transposed = torch.randn(64, 4).T  # its last dim strided (Gemma 3's pooled image rows)
@@ -359,7 +367,7 @@ def test_step_ops_take_decode_rows_on_our_kernels_and_chunks_on_torchs(monkeypat
     )
     monkeypatch.setenv("GAPLESS_KERNELS", "fallback")
     step_ops.rms_norm(torch.randn(4, 64), w, 1e-6)
-    assert calls == [1, 16]
+    assert calls == [1, 16, 512]
 
 
 @pytest.mark.parametrize("k", [1, 16, 40])

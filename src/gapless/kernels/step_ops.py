@@ -1,12 +1,13 @@
 """The small ops of every layer (RMSNorm, the rotary embedding, the KV-cache write) and the
-lm_head's top-k: on our C++ kernels (csrc/step_ops.cpp, built with the block kernels) for
-decode batches on the CPU, else on torch's ops.
+lm_head's top-k: on our C++ kernels (csrc/step_ops.cpp, built with the block kernels) on the
+CPU, else on torch's ops.
 
 Why: a decode step of a small model is mostly fixed costs. Torch spends a few microseconds
 dispatching each op, however few values it touches, and RMSNorm alone was ~10 ops, rope 3-4,
 the cache write 4 and its casts: ~3,400 dispatches a SmolLM2 step. Ours are one call each.
-Prompt chunks (more than DECODE_ROWS rows) keep torch's vectorized, threaded ops, and so do
-CUDA, other dtypes and GAPLESS_KERNELS=fallback.
+A prompt chunk's rows are split over the threads, where torch's ops took a pass each over
+them (RMSNorm ~6, rope 3, the cache write a cast and a scatter). CUDA, other dtypes and
+GAPLESS_KERNELS=fallback take torch's.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def switched_on() -> bool:
 
 def _ours(x: torch.Tensor) -> ModuleType | None:
     """Our kernels, where they take x."""
-    if x.device.type == "cpu" and x.shape[0] <= DECODE_ROWS and x.dtype in DTYPES and switched_on():
+    if x.device.type == "cpu" and x.dtype in DTYPES and switched_on():
         return blocks.extension()
     return None
 
