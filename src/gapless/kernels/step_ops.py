@@ -47,11 +47,13 @@ def _ours(x: torch.Tensor) -> ModuleType | None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, hidden] or [T, H, D] normalized over its last dim, times weight; accumulates in
-    float32 like the reference."""
+    float32 and rounds the normalized x to its dtype before the weight multiplies it, as
+    transformers' Llama norm does (torch's F.rms_norm with the weight rounds once: in bf16 a
+    quarter of its values then differ by a unit in the last place from ours)."""
     ext = _ours(x)
     if ext is not None and x.dim() in (2, 3) and x.stride(-1) == 1 and weight.dtype == x.dtype:
         return ext.rms_norm(x, weight, eps)
-    return F.rms_norm(x, weight.shape, weight, eps)
+    return F.rms_norm(x, weight.shape, None, eps) * weight
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
