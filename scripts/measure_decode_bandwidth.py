@@ -10,8 +10,9 @@ embeddings, when tied). An untied file's embeddings are gathered a row a token, 
 not counted. The step time is the engine's batch-1 time per token (128 tokens, greedy, no
 server), median of `rounds`; with --context, each of the batch's prompts has that many
 tokens, and a step also reads every stream's KV so far (counted at its mean length over the
-128 tokens, in the cache's bytes per token); the streaming read is torch's sum over a float32 buffer of 1 GiB
-with the same threads, best of `rounds`. Rounds alternate the two.
+128 tokens, in the cache's bytes per token, in each layer as many keys as its window shows);
+the streaming read is torch's sum over a float32 buffer of 1 GiB with the same threads, best
+of `rounds`. Rounds alternate the two.
 """
 
 from __future__ import annotations
@@ -82,8 +83,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     vocab = engine.admission.token_vocab_size
     weights = weight_bytes(args.gguf)
-    kv_per_token = ModelRunner.kv_bytes_per_token(engine.decoder, engine.runner.kv_cache_dtype)
-    kv = args.batch * (args.context + TOKENS / 2) * kv_per_token
+    per_layer_token = ModelRunner.kv_bytes_per_layer_token(
+        engine.decoder, engine.runner.kv_cache_dtype
+    )
+    # A sliding layer reads only the keys its window shows (Gemma 3: 5 layers in 6).
+    length = args.context + TOKENS / 2
+    keys = sum(min(length, w or length) for w in engine.decoder.config.layer_windows)
+    kv = args.batch * keys * per_layer_token
     nbytes = weights + kv
     buffer = torch.ones(2**28)  # 1 GiB, well past any cache
     step_time(engine, vocab, args.batch, args.context, 16, seed=99)  # warm-up
