@@ -18,6 +18,7 @@ import torch
 from gapless.kernels import paged
 from gapless.kernels.kv_format import Q8_GROUP, q8_row_bytes
 from gapless.kernels.linear import (
+    DECODE_ROWS,
     BlockLinear,
     Int4Linear,
     Int8Linear,
@@ -39,7 +40,6 @@ from gapless.kernels.probe import (
     paged_prefill_works,
 )
 from gapless.kernels.quant import BlockQuant, GroupQuant
-from gapless.kernels.step_ops import DECODE_ROWS
 
 __all__ = [
     "AttentionLayout",
@@ -78,7 +78,7 @@ class Kernels:
     int8_dtype: torch.dtype | None = None
     int4_dtype: torch.dtype | None = None
     # Batches of more rows than this dequantize a quantized weight and run the dense matmul
-    # (step_ops.DECODE_ROWS says why).
+    # (linear.DECODE_ROWS says why).
     int_kernel_max_rows: int = DECODE_ROWS
     # The same for GGUF blocks on our block kernels (BlockLinear): above it, the dense copies
     # or the dequantizing path (AMX_GEMV_ROWS says why it may be more).

@@ -12,7 +12,13 @@ import torch.nn.functional as F
 
 from gapless.kernels import blocks, step_ops
 from gapless.kernels.quant import BlockQuant, GroupQuant
-from gapless.kernels.step_ops import DECODE_ROWS
+
+# The most rows a decode batch (decodes and proposed tokens) holds: the quantized linears'
+# integer paths (blocks.gemv, torch's int8/int4 ops) take up to this many, and the scheduler
+# fills no step past it. A 17th row sends every quantized linear to its dequantizing path: on
+# SmolLM2's Q4_1 file, 30 ms a step for 16 rows, 115 ms for 17; both int kernels beat
+# dequantizing up to 16 rows here, int8's lost at 32 (docs/benchmarks.md).
+DECODE_ROWS = 16
 
 
 class PlainLinear:

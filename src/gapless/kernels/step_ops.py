@@ -22,12 +22,6 @@ from gapless.kernels import blocks
 from gapless.kernels.kv_format import dequantize_q8, quantize_q8
 from gapless.kernels.probe import step_ops_work
 
-# The most rows a decode batch (decodes and proposed tokens) holds: our step ops and the
-# quantized linears' integer paths (blocks.gemv, torch's int8/int4 ops) take up to this many,
-# and the scheduler fills no step past it. A 17th row sends every quantized linear to its
-# dequantizing path: on SmolLM2's Q4_1 file, 30 ms a step for 16 rows, 115 ms for 17; both int
-# kernels beat dequantizing up to 16 rows here, int8's lost at 32 (docs/benchmarks.md).
-DECODE_ROWS = 16
 DTYPES = (torch.float32, torch.bfloat16)
 CACHE_DTYPES = (*DTYPES, torch.float16, torch.uint8)  # uint8: int8 rows (kv_format.py)
 

@@ -79,7 +79,8 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at
       for (float p : partial) sum += p;
       const float scale = 1.0f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
       T* y = dst + r * n;
-      // As torch's: x * scale rounded to x's dtype, then times the weight in that dtype.
+      // As step_ops.rms_norm's torch ops (and transformers' Llama norm): x * scale rounded to
+      // x's dtype, then times the weight in that dtype.
       for (int64_t i = 0; i < n; ++i) {
         const T normed = from_float<T>(to_float(row[i]) * scale);
         y[i] = from_float<T>(to_float(normed) * to_float(w[i]));
