@@ -6,6 +6,7 @@ test_block_kernels.py and test_kernels.py."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -60,16 +61,44 @@ def test_the_probe_chooses_our_kernels_on_this_machine():
     [
         ((), "portable"),
         (("avx2",), "avx2"),
+        (("avx2", "avx-vnni"), "avx-vnni"),  # an Intel core without AVX-512
         (("avx2", "avx512"), "avx512"),
         (("avx2", "avx512", "avx512-bf16"), "avx512"),  # bf16 without VNNI: no level has it
         (("avx2", "avx512", "avx512-vnni"), "avx512-vnni"),
         (("avx2", "avx512", "avx512-vnni", "avx512-bf16"), "avx512-bf16"),
         (("avx2", "avx512", "avx512-vnni", "avx512-bf16", "amx"), "amx"),
+        (("avx2", "avx-vnni", "avx512", "avx512-vnni", "avx512-bf16", "amx"), "amx"),
     ],
 )
 def test_a_cpu_runs_the_highest_level_it_has_every_instruction_of(monkeypatch, isa, level):
     monkeypatch.setattr(build, "machine", lambda: Machine("cpu", isa, "DEFAULT", None))
     assert build.cpu_level() == level
+
+
+@pytest.mark.parametrize("level", ["portable", "avx2"])
+def test_gapless_kernels_set_to_a_level_runs_the_cpu_as_one_of_that_level(level):
+    """What a benchmark of an AVX2 machine's paths on a larger CPU relies on: the CPU's flags
+    capped to the level's (F16C kept), our builds for it, and what follows from the flags:
+    float32 compute and a float16 KV cache (float32 on a CPU without F16C: portable)."""
+    code = f"""
+import torch
+from gapless import kernels
+from gapless.kernels import blocks, build
+from gapless.kernels.extensions import GGUF_BLOCKS, LEVELS
+from gapless.kernels.machine import machine
+assert set(machine().cpu_isa) <= {{*LEVELS[{level!r}], "f16c"}}, machine().cpu_isa
+assert build.cpu_level() == {level!r}
+assert blocks.extension().__name__.endswith(GGUF_BLOCKS.module({level!r}))
+chosen = kernels.select(torch.device("cpu"), torch.float32, quantized=True)
+assert chosen.reduced_dtype is None and chosen.attention_dtype == torch.float32
+narrow = torch.float16 if "f16c" in machine().cpu_isa else torch.float32
+assert chosen.kv_cache_dtype("auto", 64) == narrow
+"""
+    require_our_kernels(
+        blocks.extension(level) is not None, f"the {level} build of our block kernels"
+    )
+    env = {**os.environ, "GAPLESS_KERNELS": level}
+    subprocess.run([sys.executable, "-c", code], env=env, timeout=120, check=True)
 
 
 def test_a_build_older_than_its_sources_is_not_used(caplog):

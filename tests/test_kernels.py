@@ -49,7 +49,7 @@ def test_startup_names_the_kernels_in_one_line(caplog, monkeypatch):
     assert isinstance(forced.linear(torch.ones(4, 4)), PlainLinear)
     assert "F.linear linear, gathered sdpa attention" in forced.describe()
     monkeypatch.setenv("GAPLESS_KERNELS", "fast")
-    with pytest.raises(ValueError, match="choose auto or fallback"):
+    with pytest.raises(ValueError, match="choose auto, fallback or a level"):
         kernels.select(CPU, torch.float32)
 
 

@@ -3,13 +3,13 @@
 `select(device, dtype)` tries the private ops this machine might run fast (see probe.py) and
 returns a `Kernels` that the loader builds its linears from and the decoder attends with.
 Every private op has a public fallback. `GAPLESS_KERNELS=fallback` forces the public ops
-everywhere (F.linear, F.scaled_dot_product_attention), e.g. to rule the fast paths out.
+everywhere (F.linear, F.scaled_dot_product_attention), e.g. to rule the fast paths out;
+`GAPLESS_KERNELS=avx2` (or another level) runs this CPU as a lesser one would (machine.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,7 +28,7 @@ from gapless.kernels.linear import (
     PlainLinear,
     as_dtype,
 )
-from gapless.kernels.machine import machine
+from gapless.kernels.machine import kernels_setting, machine
 from gapless.kernels.plans import AttentionLayout, AttentionPlan, KVCache, Planner, Span
 from gapless.kernels.probe import (
     cpu_flash_works,
@@ -266,10 +266,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def _forced_fallback() -> bool:
-    choice = os.environ.get("GAPLESS_KERNELS", "auto")
-    if choice not in ("auto", "fallback"):
-        raise ValueError(f"GAPLESS_KERNELS={choice!r}: choose auto or fallback")
-    return choice == "fallback"
+    return kernels_setting() == "fallback"
 
 
 def _fast_cpu_half(dtype: torch.dtype) -> bool:

@@ -20,6 +20,7 @@ CSRC = Path(__file__).with_name("csrc")
 # gcc flags per instruction set, under the names the probe reports (machine.ISA_FLAGS).
 ISA_CFLAGS = {
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "avx-vnni": ("-mavxvnni",),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
     "avx512-vnni": ("-mavx512vnni",),
     "avx512-bf16": ("-mavx512bf16",),
@@ -30,6 +31,7 @@ ISA_CFLAGS = {
 LEVELS = {
     "portable": (),
     "avx2": ("avx2",),
+    "avx-vnni": ("avx2", "avx-vnni"),  # Intel cores without AVX-512: Alder Lake and later
     "avx512": ("avx2", "avx512"),
     "avx512-vnni": ("avx2", "avx512", "avx512-vnni"),
     "avx512-bf16": ("avx2", "avx512", "avx512-vnni", "avx512-bf16"),
@@ -91,7 +93,7 @@ GGUF_BLOCKS = Extension(
     "gguf_blocks",
     ("gguf_ops.cpp", "gguf_q32.cpp", "gguf_kquants.cpp", "step_ops.cpp", "expert_ops.cpp"),
     ("-O3", "-fopenmp", "-ffp-contract=off"),
-    ("avx2", "avx512", "avx512-vnni"),
+    ("avx2", "avx-vnni", "avx512", "avx512-vnni"),
 )
 EXTENSIONS = (PAGED_ATTENTION, GGUF_BLOCKS)
 

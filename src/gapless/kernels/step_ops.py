@@ -12,7 +12,6 @@ GAPLESS_KERNELS=fallback take torch's.
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 
 from gapless.kernels import blocks
 from gapless.kernels.kv_format import dequantize_q8, quantize_q8
+from gapless.kernels.machine import kernels_setting
 from gapless.kernels.probe import step_ops_work
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -29,7 +29,7 @@ CACHE_DTYPES = (*DTYPES, torch.float16, torch.uint8)  # uint8: int8 rows (kv_for
 def switched_on() -> bool:
     """Our step-op build works here and GAPLESS_KERNELS=fallback is not set (checked per
     call: the switch may change)."""
-    return os.environ.get("GAPLESS_KERNELS") != "fallback" and step_ops_work()
+    return kernels_setting() != "fallback" and step_ops_work()
 
 
 def _ours(x: torch.Tensor) -> ModuleType | None:

@@ -101,4 +101,26 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+// 256-bit integer dot products in one instruction each: AVX512-VNNI's (with VL), or on CPUs
+// without AVX-512 (Alder Lake and later Intel cores) AVX-VNNI's VEX forms of the same ops.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define GGUF_VNNI256 1
+// acc + the 8 int32 sums of four unsigned u times signed q bytes.
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i q) {
+  return _mm256_dpbusd_epi32(acc, u, q);
+}
+// acc + the 8 int32 sums of two int16 a times b.
+inline __m256i dpwssd256(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_dpwssd_epi32(acc, a, b);
+}
+#elif defined(__AVXVNNI__)
+#define GGUF_VNNI256 1
+inline __m256i dpbusd256(__m256i acc, __m256i u, __m256i q) {
+  return _mm256_dpbusd_avx_epi32(acc, u, q);
+}
+inline __m256i dpwssd256(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+}
+#endif
+
 }  // namespace gapless_gguf

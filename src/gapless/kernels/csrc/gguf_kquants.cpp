@@ -8,8 +8,8 @@
 // 16. The vector paths multiply unsigned bytes by signed ones (maddubs), so they take the
 // codes unsigned (Q6_K: 0..63 for code + 32, Q3_K: 0..7 for code + 4) and fold the centre
 // back out the same way, through the bsums. The sub-block scale is applied to maddubs' int16
-// pairs by madd (AVX2) or dpwssd (VNNI), which multiplies and accumulates in one
-// instruction; dpbusd would leave the scale for a separate integer multiply. A decode
+// pairs by madd (AVX2) or dpwssd (AVX512-VNNI, AVX-VNNI), which multiplies and accumulates in
+// one instruction; dpbusd would leave the scale for a separate integer multiply. A decode
 // batch's rows (dot_rows) share each unpacked block, 4 rows at a time.
 //
 // dequantize computes each value in float32 as the `gguf` package's numpy does, operation
@@ -25,10 +25,6 @@
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
-#endif
-
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-#define GGUF_K_VNNI 1
 #endif
 
 namespace gapless_gguf {
@@ -534,8 +530,8 @@ void dequantize_iq4xs(const uint8_t* b, float* out, int64_t nblocks) {
 // its scale lane. maddubs cannot saturate: u <= 63 and |q| <= 127.
 inline __m256i dot_scaled(__m256i acc, __m256i u, __m256i q, __m256i scales16) {
   const __m256i pairs = _mm256_maddubs_epi16(u, q);
-#if defined(GGUF_K_VNNI)
-  return _mm256_dpwssd_epi32(acc, pairs, scales16);
+#if defined(GGUF_VNNI256)
+  return dpwssd256(acc, pairs, scales16);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales16));
 #endif

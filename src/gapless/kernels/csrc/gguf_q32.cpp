@@ -166,13 +166,14 @@ inline __m256i load32(const void* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
-// The 8 int32 partial sums of 32 unsigned bytes u times 32 signed bytes q.
-inline __m256i dot_u8s8(__m256i u, __m256i q) {
-#if defined(GGUF_VNNI)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, q);
+// acc + the 8 int32 sums of four unsigned bytes u times signed bytes q.
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i q) {
+#if defined(GGUF_VNNI256)
+  return dpbusd256(acc, u, q);
 #else
   // A pair of products fits int16 while u <= 128 (|q| <= 127): maddubs does not saturate.
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), _mm256_set1_epi16(1));
+  const __m256i pairs = _mm256_maddubs_epi16(u, q);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
 #endif
@@ -338,7 +339,7 @@ void dequantize(const uint8_t* row, float* out, int64_t nblocks) {
 }
 
 #if defined(__AVX2__)
-#if defined(GGUF_VNNI)
+#if defined(GGUF_VNNI256)
 template <class T>
 constexpr bool kSigned = false;  // dpbusd sums four products in int32: any u fits
 #else
@@ -357,9 +358,9 @@ inline __attribute__((always_inline)) void dot_block(const uint8_t* w, const Act
   __m256i sums;
   if constexpr (kSigned<T>) {
     const __m256i c = T::scodes(w);
-    sums = dot_u8s8(_mm256_abs_epi8(c), _mm256_sign_epi8(q, c));
+    sums = dot_u8s8(_mm256_setzero_si256(), _mm256_abs_epi8(c), _mm256_sign_epi8(q, c));
   } else {
-    sums = dot_u8s8(T::ucodes(w), q);
+    sums = dot_u8s8(_mm256_setzero_si256(), T::ucodes(w), q);
     folded = _mm256_fmadd_ps(T::kHasMin ? f16_v(w + 2) : d, _mm256_set1_ps(a.s), folded);
   }
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc);
@@ -427,9 +428,9 @@ void dot_rows_fixed(const uint8_t* row, const ActQ8* a, int64_t act_stride, floa
       const __m256i q = load32(x.q);
       __m256i sums;
       if constexpr (kSigned<T>) {
-        sums = dot_u8s8(w_abs, _mm256_sign_epi8(q, w));
+        sums = dot_u8s8(_mm256_setzero_si256(), w_abs, _mm256_sign_epi8(q, w));
       } else {
-        sums = dot_u8s8(w, q);
+        sums = dot_u8s8(_mm256_setzero_si256(), w, q);
         folded[r] = _mm256_fmadd_ps(fold_scale, _mm256_set1_ps(x.s), folded[r]);
       }
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_set1_ps(x.d)),
@@ -553,14 +554,15 @@ inline __m256i fifth_bits_half(__m256i qh, int j) {
 }
 
 // Two vectors of 8 rows. Without VNNI, maddubs sums pairs in int16: Q4's u (at most 15)
-// fit, Q8_0's codes go signed (|code| times sign-adjusted q), with no centre.
+// fit, Q8_0's codes go signed (|code| times sign-adjusted q), with no centre. With AVX-VNNI
+// they go unsigned (code + 128) and centred, as on AVX512-VNNI.
 template <class T, int R>
 void dot_group_fixed(const uint8_t* group, const ActQ8* a, int64_t act_stride, float* out,
                      int64_t out_stride, int64_t nblocks) {
   constexpr int kHalf = kGroupRows / 2;
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0f);
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* p = group + b * kGroupBlockBytes<T>;
     const uint8_t* codes = p + kGroupRows * (T::kBytes - T::kCodeBytes);
@@ -582,7 +584,8 @@ void dot_group_fixed(const uint8_t* group, const ActQ8* a, int64_t act_stride, f
           for (int j = 0; j < 8; ++j) u[j] = _mm256_or_si256(u[j], fifth_bits_half(qh, j));
         }
       } else {
-        for (int c = 0; c < 8; ++c) u[c] = load32(codes + 64 * c + 32 * h);
+        const __m256i flip = _mm256_set1_epi8(static_cast<char>(kSigned<T> ? 0 : 0x80));
+        for (int c = 0; c < 8; ++c) u[c] = _mm256_xor_si256(load32(codes + 64 * c + 32 * h), flip);
       }
       for (int r = 0; r < R; ++r) {
         const ActQ8& x = a[r * act_stride + b];
@@ -591,18 +594,16 @@ void dot_group_fixed(const uint8_t* group, const ActQ8* a, int64_t act_stride, f
           int32_t q4;
           std::memcpy(&q4, x.q + 4 * j, sizeof q4);
           const __m256i q = _mm256_set1_epi32(q4);
-          __m256i pairs;
-          if constexpr (T::kCodeBytes != 32)  // u at most 31: pairs fit int16
-            pairs = _mm256_maddubs_epi16(u[j], q);
-          else
-            pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(u[j]), _mm256_sign_epi8(q, u[j]));
-          sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, ones));
+          if constexpr (kSigned<T>)
+            sums = dot_u8s8(sums, _mm256_abs_epi8(u[j]), _mm256_sign_epi8(q, u[j]));
+          else  // u at most 31, or dpbusd's int32 sums
+            sums = dot_u8s8(sums, u[j], q);
         }
         const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(x.d));
         if constexpr (T::kHasMin) {
           const __m256 m = f16x8(2 * kGroupRows + 2 * kHalf * h);
           acc[r][h] = _mm256_fmadd_ps(d, dot, _mm256_fmadd_ps(m, _mm256_set1_ps(x.s), acc[r][h]));
-        } else if constexpr (T::kCodeBytes != 32) {
+        } else if constexpr (!kSigned<T>) {
           const __m256 centred = _mm256_sub_ps(dot, _mm256_set1_ps(T::kCentre * x.s));
           acc[r][h] = _mm256_fmadd_ps(d, centred, acc[r][h]);
         } else {
