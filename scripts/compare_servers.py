@@ -13,81 +13,62 @@ server in turn, in reverse order every other round, each on a fresh connection. 
 machine whose speed swings for seconds to minutes, the servers of one round then see the same
 phase, and the median of the rounds' ratios (the first server's time over each other's)
 carries over where a median of whole runs, one server after another, does not. Time per
-token rather than the median gap: a client starved of CPU reads two tokens at once, which a
-gap would count as 0 ms.
+token (the bench's TPOT) rather than the median gap: a client starved of CPU reads two tokens
+at once, which a gap would count as 0 ms. Requests go through the bench's own client.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import time
 
 import httpx
 
+from gapless.bench.client import RequestRecord, send_request
+from gapless.bench.metrics import tpot, ttft
+from gapless.bench.workloads import BenchRequest
+
 PROMPT_TOKENS, STREAM_TOKENS, PREFILL_TOKENS = 64, 48, 1024
 
 
-async def stream_stamps(
-    client: httpx.AsyncClient, port: str, model: str, prompt: list[int], max_tokens: int
-) -> list[float]:
-    """Seconds from the request to each token's chunk."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    start, stamps = time.perf_counter(), []
-    url = f"http://127.0.0.1:{port}/v1/completions"
-    async with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            raise SystemExit(f"port {port}: HTTP {resp.status_code}: {(await resp.aread())[:300]}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = (json.loads(line[6:]).get("choices") or [{}])[0]
-            if choice.get("finish_reason") is None or choice.get("text"):  # not a bare ending
-                stamps.append(time.perf_counter() - start)
-    return stamps
-
-
-async def measure(
-    client: httpx.AsyncClient, kind: str, port: str, model: str, vocab: int, seed: int
-) -> float:
-    """One measurement of `kind` on one server, in ms."""
+async def measure(client: httpx.AsyncClient, kind: str, model: str, vocab: int, seed: int) -> float:
+    """One measurement of `kind` on the server `client` talks to, in ms."""
     rng = random.Random(seed)
 
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
+    async def send(rid: int, prompt_tokens: int, max_tokens: int) -> RequestRecord:
+        prompt = [rng.randrange(1000, vocab - 1000) for _ in range(prompt_tokens)]
+        req = BenchRequest(rid, 0.0, prompt, max_tokens)
+        rec = await send_request(client, req, model=model, t0=time.perf_counter())
+        if not rec.ok or not rec.token_s:
+            raise SystemExit(f"{client.base_url}: {rec.error or 'no token came'}")
+        return rec
 
     if kind == "pf":
-        return (await stream_stamps(client, port, model, prompt(PREFILL_TOKENS), 1))[0] * 1e3
-    prompts = [prompt(PROMPT_TOKENS) for _ in range(1 if kind == "b1" else 4)]
-    runs = await asyncio.gather(
-        *(stream_stamps(client, port, model, p, STREAM_TOKENS) for p in prompts)
-    )
-    return statistics.mean((s[-1] - s[0]) / (len(s) - 1) for s in runs) * 1e3
+        rec = await send(0, PREFILL_TOKENS, 1)
+        return ttft(rec.send_s, rec.token_s) * 1e3
+    streams = 1 if kind == "b1" else 4
+    recs = await asyncio.gather(*(send(i, PROMPT_TOKENS, STREAM_TOKENS) for i in range(streams)))
+    return statistics.mean(tpot(r.send_s, r.token_s) for r in recs) * 1e3
 
 
 async def compare(kind: str, rounds: int, vocab: int, servers: dict[str, tuple[str, str]]) -> None:
     times: dict[str, list[float]] = {name: [] for name in servers}
     limits = httpx.Limits(max_keepalive_connections=0)  # a fresh connection per request
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        for port, model in servers.values():  # warm-up, with a prompt no round uses
-            await measure(client, kind, port, model, vocab, seed=-1)
-        for r in range(rounds):
-            for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
-                port, model = servers[name]
-                times[name].append(await measure(client, kind, port, model, vocab, seed=r))
-            print(
-                f"{kind} round {r + 1}: " + ", ".join(f"{n} {t[-1]:.2f}" for n, t in times.items())
-            )
+    clients = {
+        name: httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600, limits=limits)
+        for name, (port, _) in servers.items()
+    }
+    for name, (_, model) in servers.items():  # warm-up, with a prompt no round uses
+        await measure(clients[name], kind, model, vocab, seed=-1)
+    for r in range(rounds):
+        for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
+            times[name].append(await measure(clients[name], kind, servers[name][1], vocab, r))
+        print(f"{kind} round {r + 1}: " + ", ".join(f"{n} {t[-1]:.2f}" for n, t in times.items()))
+    for client in clients.values():
+        await client.aclose()
     print(
         f"{kind} medians (ms): "
         + ", ".join(f"{n} {statistics.median(t):.2f}" for n, t in times.items())

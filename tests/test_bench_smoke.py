@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import uvicorn
+from helpers import load_script
 from safetensors import safe_open
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -378,3 +379,22 @@ def test_a_trial_ends_at_its_deadline_when_the_server_falls_behind(fake_server):
     assert time.perf_counter() - start < 6.0
     assert result.fell_behind and not result.meets(CapacitySLO(1e9, 1e9))
     assert result.metrics["cancelled"] == result.metrics["num_requests"] > 0
+
+
+def test_compare_servers_alternates_rounds_and_reads_time_per_token(fake_server, capsys):
+    """scripts/compare_servers.py, the method of the AVX2 comparison in docs/benchmarks.md:
+    every server measured every round, as the bench's TPOT (the fake server's ~10 ms a token)
+    and TTFT, and a ratio line per server after the first."""
+    compare_servers = load_script("compare_servers")
+    port = fake_server.rsplit(":", 1)[1]
+    servers = {"a": (port, "fake"), "b": (port, "fake")}
+    for kind in ("b1", "pf"):
+        asyncio.run(compare_servers.compare(kind, 2, 4096, servers))
+    out = capsys.readouterr().out.splitlines()
+    rounds = [line.split(":")[0] for line in out if line.split(":")[0].split()[1] == "round"]
+    assert rounds == ["b1 round 1", "b1 round 2", "pf round 1", "pf round 2"]
+    medians = next(line for line in out if line.startswith("b1 medians (ms): "))
+    b1 = [float(v.split()[1]) for v in medians.split(": ")[1].split(", ")]
+    assert len(b1) == 2 and all(FAKE_TOKEN_S * 1e3 <= ms < 20 * FAKE_TOKEN_S * 1e3 for ms in b1)
+    assert sum(line.startswith("b1 a / b: median of the rounds' ratios") for line in out) == 1
+    assert sum(line.startswith("pf a / b: median of the rounds' ratios") for line in out) == 1
