@@ -50,7 +50,7 @@ def test_released_blocks_serve_the_next_request(runner):
     for _ in range(2):
         request = harness.request(whole)
         harness.step([(request, len(whole))])
-        assert harness.pool.num_free == 0
+        assert harness.kv.pool.num_free == 0
         harness.release(request)
-        assert harness.pool.num_free == runner.num_blocks
+        assert harness.kv.pool.num_free == runner.num_blocks
         assert request.num_computed == 0

@@ -14,6 +14,7 @@ from gapless.engine.request import Request, RequestState
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.scheduler import Scheduler, SchedulerConfig
 from gapless.kv.block_pool import BlockPool
+from gapless.kv.manager import KVManager
 from gapless.model.families import model_config
 
 # SmolLM2-135M's config.json, the default model's shape.
@@ -58,7 +59,9 @@ def decoding(scheduler: Scheduler, streams: int) -> None:
 
 def scheduler(**options) -> Scheduler:
     config = SchedulerConfig(prefill_chunk=512, idle_prefill_chunk=4096, **options)
-    return Scheduler(config, BlockPool(4096, 16), prompt_work=model_config(SMOLLM2).prompt_work())
+    return Scheduler(
+        config, KVManager(BlockPool(4096, 16)), prompt_work=model_config(SMOLLM2).prompt_work()
+    )
 
 
 def test_chunks_of_a_long_prompt_shrink_to_a_fresh_chunks_work():
@@ -95,7 +98,9 @@ def test_prompts_sharing_a_step_share_its_work():
 def test_a_history_too_long_for_the_budget_still_moves_a_token_a_step():
     config = SchedulerConfig(prefill_chunk=512, idle_prefill_chunk=512)
     # A token after `start` ones costs 1 + start: past 511, one alone is over the budget.
-    sched = Scheduler(config, BlockPool(4096, 16), prompt_work=lambda n, start: n * (1 + start))
+    sched = Scheduler(
+        config, KVManager(BlockPool(4096, 16)), prompt_work=lambda n, start: n * (1 + start)
+    )
     decoding(sched, streams=1)
     sched.add(request("deep", 520))
     assert [run_step(sched)["deep"] for _ in range(3)] == [512, 1, 1]
@@ -106,7 +111,7 @@ def test_a_latency_targets_budget_is_taken_as_tokens():
     config = SchedulerConfig(prefill_chunk=512, idle_prefill_chunk=4096)
     sched = Scheduler(
         config,
-        BlockPool(4096, 16),
+        KVManager(BlockPool(4096, 16)),
         prefill_budget=lambda contexts, start, target: 300,
         itl_targets={"standard": 0.1},
         prompt_work=model_config(SMOLLM2).prompt_work(),

@@ -47,7 +47,7 @@ def all_logits(decoder: Decoder, ids: list[int]) -> torch.Tensor:
     block_size = 16
     runner = ModelRunner(decoder, len(ids) // block_size + 1, block_size)
     request = Request("t", ids, SamplingParams())
-    request.block_table = list(range(runner.num_blocks))
+    request.kv.tables = [list(range(runner.num_blocks))]
     return runner.execute([ScheduledChunk(request, len(ids))], {0})[0]
 
 

@@ -26,6 +26,7 @@ from gapless.engine.request import Request
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.scheduler import Scheduler, SchedulerConfig
 from gapless.kv.block_pool import BlockPool
+from gapless.kv.manager import KVManager
 from gapless.model.tokenizer import Tokenizer
 from gapless.server.cli import add_serve_parser, engine_config
 
@@ -120,7 +121,7 @@ def test_cancel_during_verification_frees_both_pools_and_leaves_others_unchanged
         run.step()
     assert cancelled == [True]
     [req_b] = engine.scheduler.running
-    assert engine.pool.num_used == len(req_b.block_table)
+    assert engine.kv.pool.num_used == len(req_b.kv.block_table)
     draft_blocks = engine.draft._tables.get(req_b, [])
     assert engine.draft.pool.num_used == len(draft_blocks)
     run.until_idle()
@@ -248,8 +249,8 @@ def test_a_drafts_catch_up_takes_only_what_prompt_chunks_leave(unseen, waiting, 
     draft = CountingDraft(unseen)
     scheduler = Scheduler(
         SchedulerConfig(prefill_chunk=32, idle_prefill_chunk=32),
-        BlockPool(512, 16),
-        budget,
+        KVManager(BlockPool(512, 16)),
+        prefill_budget=budget,
         draft_unseen=draft.unseen,
         itl_targets=None if room is None else {"standard": 0.1},
     )

@@ -73,7 +73,7 @@ def test_embeddings_are_transformers_pooled_hidden_states_across_chunks(llama_di
     got = llm.embed([ids[0], *texts], pooling=pooling)
     assert all(close(v, w) for v, w in zip(got, want, strict=True))
     assert all(abs(torch.tensor(v).norm().item() - 1) < 1e-5 for v in got)
-    assert llm.engine.pool.num_used == 0
+    assert llm.engine.kv.pool.num_used == 0
 
     # The engine's pooling option is the default; progress comes per chunk.
     e = engine(llama_dir, prefill_chunk=CHUNK, idle_prefill_chunk=CHUNK, pooling=pooling)
@@ -96,7 +96,7 @@ def test_last_pooling_reads_the_prefix_cache_and_mean_pooling_does_not(llama_dir
         assert (first.cached_prompt_tokens, again.cached_prompt_tokens) == (0, cached)
         want = reference(hf, ids, pooling)
         assert close(first.embedding, want) and close(again.embedding, want)
-    assert e.pool.num_used == 0
+    assert e.kv.pool.num_used == 0
 
 
 def test_embedding_beside_four_decoding_streams_changes_none_of_their_tokens(llama_dir, hf):
@@ -128,7 +128,7 @@ def test_embedding_beside_four_decoding_streams_changes_none_of_their_tokens(lla
     assert [x.index for x in ends] == [0, 1]
     for end, ids in zip(ends, embedded, strict=True):
         assert close(end.embedding, reference(hf, ids, "mean"))
-    assert e.pool.num_used == 0
+    assert e.kv.pool.num_used == 0
 
 
 def test_a_preempted_mean_pooled_prompt_starts_its_sum_again(llama_dir, hf):
@@ -144,19 +144,19 @@ def test_a_preempted_mean_pooled_prompt_starts_its_sum_again(llama_dir, hf):
     assert finished(log[rid]).preempted >= 1
     assert close(finished(log[rid]).embedding, reference(hf, ids, "mean"))
     assert len(tokens(log[stream])) == 40 - 1
-    assert e.pool.num_used == 0
+    assert e.kv.pool.num_used == 0
 
 
 def test_cancelling_an_embedding_mid_prefill_frees_its_blocks(llama_dir):
     e = engine(llama_dir, prefill_chunk=16, idle_prefill_chunk=16)
     rid = e.add_embedding([prompt(100, 9), prompt(90, 10)])
     e.step()
-    assert e.pool.num_used > 0
+    assert e.kv.pool.num_used > 0
     e.cancel(rid)
     ends = [x for x in run(e)[rid] if isinstance(x, FinishedEvent)]
     assert [x.finish_reason for x in ends] == ["cancelled", "cancelled"]
     assert all(x.embedding is None for x in ends)
-    assert e.pool.num_used == 0
+    assert e.kv.pool.num_used == 0
 
 
 def test_an_embedding_prompt_may_fill_the_context_but_not_more(llama_dir):
@@ -179,7 +179,7 @@ def test_an_embedding_prompt_may_fill_the_context_but_not_more(llama_dir):
     assert ids == e.tokenizer.encode("the quick brown fox " * 100)[:CONTEXT]
     with pytest.raises(RequestError, match="pooling"):
         e.add_embedding(["x"], pooling="max")
-    assert e.pool.num_used == 0
+    assert e.kv.pool.num_used == 0
 
 
 def test_two_tensor_parallel_ranks_embed_as_one(llama_dir, hf):
@@ -262,7 +262,7 @@ def test_bad_openai_requests_are_400s_naming_the_field(client, server, body, par
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
     assert error["message"]
     assert client.post("/v1/embeddings", json={"input": "x", "model": "gpt"}).status_code == 404
-    assert server.engine.pool.num_used == 0
+    assert server.engine.kv.pool.num_used == 0
 
 
 def test_a_full_context_input_embeds_and_a_batch_too(oai, server):
@@ -328,7 +328,7 @@ def test_bad_ollama_requests_are_400s(client, server, path, body, needle):
     assert set(r.json()) == {"error"}
     assert r.json()["error"].startswith(needle), r.json()
     assert client.post(path, json={"model": "llama3", "input": "x"}).status_code == 404
-    assert server.engine.pool.num_used == 0
+    assert server.engine.kv.pool.num_used == 0
 
 
 def test_task_embed_serves_embeddings_only(llama_dir, hf):

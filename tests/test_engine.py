@@ -90,7 +90,7 @@ def test_cancel_mid_prefill_frees_blocks_keeps_prefix_and_leaves_others_alone(ma
     engine = make_engine(prefill_chunk=16)
     log: dict = {}
     a, b = start_decoding(engine, pa, pb, max_tokens=12)
-    free_before = engine.pool.num_free
+    free_before = engine.kv.pool.num_free
     c = engine.add_request(pc, greedy(5))
     while not log.get(c) or log[c][-1].processed < 32:  # two blocks' worth, or more
         for e in engine.step():
@@ -101,13 +101,13 @@ def test_cancel_mid_prefill_frees_blocks_keeps_prefix_and_leaves_others_alone(ma
         log.setdefault(e.request_id, []).append(e)
     assert isinstance(log[c][-1], FinishedEvent) and log[c][-1].finish_reason == "cancelled"
     n_events = len(log[c])
-    assert engine.pool.num_cached == blocks  # the computed prompt blocks stay reusable
-    assert engine.pool.num_free == free_before - blocks
+    assert engine.kv.pool.num_cached == blocks  # the computed prompt blocks stay reusable
+    assert engine.kv.pool.num_free == free_before - blocks
     run(engine, log)
     assert len(log[c]) == n_events  # nothing after the cancelled event
     assert tokens(log[a]) == tokens(reference[ids[0]])
     assert tokens(log[b]) == tokens(reference[ids[1]])
-    assert engine.pool.num_used == 0
+    assert engine.kv.pool.num_used == 0
 
     # A retry resumes from the cached prefix: only the uncached tail is computed.
     retry = engine.add_request(pc, greedy(5))
@@ -130,7 +130,7 @@ def test_cancel_while_queued_and_while_decoding(make_engine):
     assert finished(events[first]).finish_reason == "cancelled"
     assert len(tokens(events[first])) == 0  # cancelled before the step that would emit more
     assert not engine.cancel(first)
-    assert engine.pool.num_used == 0
+    assert engine.kv.pool.num_used == 0
 
 
 class WholePromptRunner(ModelRunner):
@@ -253,7 +253,7 @@ def test_kv_exhaustion_preempts_and_still_completes_everything(make_engine):
     events = run(engine)
     assert [tokens(events[i]) for i in ids] == want
     assert sum(finished(events[i]).preempted for i in ids) > 0
-    assert engine.pool.num_used == 0
+    assert engine.kv.pool.num_used == 0
 
 
 def test_prompt_that_can_never_fit_is_rejected(make_engine):
@@ -275,9 +275,9 @@ def test_sliding_window_releases_blocks_behind_the_window(make_engine):
         engine.step()
         [req] = engine.intake.sequences(rid) or [None]
         if req is not None:
-            peak = max(peak, sum(b >= 0 for b in req.block_table))
+            peak = max(peak, sum(b >= 0 for b in req.kv.block_table))
     assert peak <= 3  # a 24-token window plus the block being written spans at most 3
-    assert engine.pool.num_used == 0
+    assert engine.kv.pool.num_used == 0
 
 
 def test_seeded_sampling_is_the_same_in_any_batch(make_engine):
@@ -399,7 +399,7 @@ def test_fail_all_ends_every_live_request_and_frees_its_blocks(make_engine):
         running: ("error", "boom"),
         queued: ("error", "boom"),
     }
-    assert engine.pool.num_used == 0 and not engine.has_work
+    assert engine.kv.pool.num_used == 0 and not engine.has_work
 
 
 def test_server_engine_steps_on_the_thread_that_loaded_it(checkpoint):
@@ -467,7 +467,7 @@ def test_the_largest_step_run_before_serving_leaves_no_trace(make_engine):
     assert reserved.scheduler.max_step_tokens == 64
     reserved.reserve_peak_memory()
     assert all(not k.any() and not v.any() for k, v in reserved.runner.kv_cache)
-    assert reserved.pool.num_free == fresh.pool.num_free
+    assert reserved.kv.pool.num_free == fresh.kv.pool.num_free
     for engine in (fresh, reserved):
         engine.add_request(prompt(40), greedy(8), request_id="r")
     assert tokens(run(reserved)["r"]) == tokens(run(fresh)["r"])
@@ -488,7 +488,7 @@ def test_choices_forked_in_one_step_stay_within_the_sequence_cap(make_engine):
         done = [e for e in log[request_id] if isinstance(e, FinishedEvent)]
         assert sorted(e.index for e in done) == [0, 1, 2]
         assert all(e.completion_tokens == 6 for e in done)
-    assert engine.pool.num_used == 0
+    assert engine.kv.pool.num_used == 0
 
 
 def test_a_step_that_raises_as_its_prompt_forks_leaves_no_block_behind(make_engine, monkeypatch):
@@ -505,7 +505,7 @@ def test_a_step_that_raises_as_its_prompt_forks_leaves_no_block_behind(make_engi
     with pytest.raises(RuntimeError, match="a bug in sampling"):
         engine.step()
     engine.fail_all("the step failed")
-    assert engine.pool.num_used == 0 and not engine.has_work
+    assert engine.kv.pool.num_used == 0 and not engine.has_work
 
 
 def test_llm_sets_its_process_up_as_gapless_serve_does(checkpoint, monkeypatch):
@@ -524,5 +524,5 @@ def test_llm_sets_its_process_up_as_gapless_serve_does(checkpoint, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     engine = llm.engine
-    context = min(engine.max_model_len, engine.pool.num_blocks * engine.pool.block_size)
+    context = min(engine.max_model_len, engine.kv.pool.num_blocks * engine.kv.pool.block_size)
     assert largest == [(min(engine.scheduler.max_step_tokens, context), context)]

@@ -238,7 +238,7 @@ def test_a_sampler_fault_in_one_row_fails_only_that_request(
     faulty = _run(engine)
     _assert_unharmed(faulty, ids, clean, victim)
     assert "injected sampler fault" in faulty[victim][-1].error
-    assert engine.pool.num_used == 0
+    assert engine.kv.pool.num_used == 0
 
 
 def test_a_forward_fault_in_one_chunk_fails_only_that_request(
@@ -258,7 +258,7 @@ def test_a_forward_fault_in_one_chunk_fails_only_that_request(
     faulty = _run(engine)
     _assert_unharmed(faulty, ids, clean, victim)
     assert "injected forward fault" in faulty[victim][-1].error
-    assert engine.pool.num_used == 0
+    assert engine.kv.pool.num_used == 0
 
 
 def test_an_engine_bug_in_every_row_fails_safe(
@@ -271,7 +271,7 @@ def test_an_engine_bug_in_every_row_fails_safe(
     ids = _add_all(engine)
     events = _run(engine)  # ends: every request fails once, nothing is retried forever
     assert [events[i][-1].finish_reason for i in ids] == ["error"] * 3
-    assert engine.pool.num_used == 0
+    assert engine.kv.pool.num_used == 0
 
 
 def test_python_api_refuses_what_the_server_refuses(engine: Engine) -> None:

@@ -288,7 +288,7 @@ def test_bad_image_is_a_400_naming_its_limit(
         if dialect == "openai":  # the part that sent the image (the first, for too many)
             assert r.json()["error"]["param"].startswith("messages[0].content[0]")
     engine = server.engine
-    assert engine.pool.num_used == 0 and not engine.has_work  # nothing admitted, nothing held
+    assert engine.kv.pool.num_used == 0 and not engine.has_work  # nothing admitted, nothing held
 
 
 def test_text_only_model_refuses_images_before_its_template(checkpoint) -> None:
@@ -408,7 +408,7 @@ def test_image_urls_are_fetched_within_their_limits_when_allowed(
                 path, body = bad_request("openai", url)
                 r = client.post(path, json=body)
                 assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
-        assert running.engine.pool.num_used == 0
+        assert running.engine.kv.pool.num_used == 0
 
 
 def test_an_image_url_over_the_size_limit_is_refused(vlm_dir: Path, image_host: str) -> None:

@@ -179,7 +179,7 @@ def test_packed_bf16_matches_the_fallback(checkpoint, monkeypatch):
 
 
 def scattered(seq: Seq, table: list[int]) -> Seq:
-    seq.req.block_table = table
+    seq.req.kv.tables = [table]
     return seq
 
 

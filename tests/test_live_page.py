@@ -150,7 +150,7 @@ def test_the_feed_requires_the_key(server: RunningServer) -> None:
     with httpx.stream("GET", f"{server.url}{live.PATH}", headers={"x-api-key": KEY}) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
-        assert next(summaries(r))["kv_blocks"]["total"] == server.engine.pool.num_blocks
+        assert next(summaries(r))["kv_blocks"]["total"] == server.engine.kv.pool.num_blocks
     feed = server.server.app.state.live_feed
     wait_until(lambda: not feed.viewers, "the viewer did not leave with its stream")
 

@@ -35,7 +35,7 @@ class Seq:
 
     def __init__(self, ids: list[int], first_block: int) -> None:
         self.req = Request("s", ids, SamplingParams())
-        self.req.block_table = list(range(first_block, first_block + len(ids) // 16 + 1))
+        self.req.kv.tables = [list(range(first_block, first_block + len(ids) // 16 + 1))]
 
     def chunk(self, n: int) -> ScheduledChunk:
         return ScheduledChunk(self.req, n)
@@ -159,7 +159,7 @@ def test_sharded_checkpoint_loads_the_same(checkpoint, tmp_path):
 
 def test_block_accounting_returns_to_zero(checkpoint):
     llm = LLM(checkpoint("llama"), dtype="float32", prefill_chunk=16, kv_cache_tokens=2048)
-    pool = llm.engine.pool
+    pool = llm.engine.kv.pool
     llm.generate(
         [prompt(n, seed=n) for n in (5, 40, 77)], SamplingParams(max_tokens=9, ignore_eos=True)
     )

@@ -37,6 +37,7 @@ from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
 from gapless.engine.scheduler import Scheduler, SchedulerConfig
 from gapless.kv.block_pool import BlockPool
+from gapless.kv.manager import KVManager
 from gapless.model.checkpoint import load_model, read_model_config
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import ShardError, TensorParallel
@@ -289,9 +290,9 @@ def test_a_request_cancelled_in_flight_ends_cancelled_and_frees_its_blocks(check
     with LLM(path, dtype="float32", pipeline_parallel_size=2) as llm:
         engine = llm.engine
         ids = [engine.add_request(prompt(20, seed=s), greedy(30)) for s in range(4)]
-        while not engine.scheduler.in_flight:
+        while not engine.scheduler.in_flight.held:
             engine.step()
-        victim = next(iter(engine.scheduler.in_flight)).request_id
+        victim = next(iter(engine.scheduler.in_flight.held)).request_id
         assert engine.cancel(victim)
         reasons, tokens_after = {}, 0
         while engine.has_work:
@@ -302,7 +303,7 @@ def test_a_request_cancelled_in_flight_ends_cancelled_and_frees_its_blocks(check
                     tokens_after += len(event.token_ids)
         assert reasons == {rid: "cancelled" if rid == victim else "length" for rid in ids}
         assert tokens_after == 0
-        assert engine.pool.num_used == 0 and not engine.scheduler.in_flight
+        assert engine.kv.pool.num_used == 0 and not engine.scheduler.in_flight.held
 
 
 def test_preemption_with_steps_in_flight_gives_one_ranks_tokens(checkpoint):
@@ -316,7 +317,7 @@ def test_preemption_with_steps_in_flight_gives_one_ranks_tokens(checkpoint):
     budget = 10 * 16 * per_stage * ModelRunner.kv_bytes_per_layer_token(decoder)
     small = {"kv_memory_gib": budget / 2**30, "pipeline_parallel_size": 2}
     with LLM(path, dtype="float32", kv_cache_dtype="float32", **small) as llm:
-        assert llm.engine.pool.num_blocks == 10
+        assert llm.engine.kv.pool.num_blocks == 10
         got = llm.generate(prompts, greedy(40))
         counters = stats(llm.engine)
     assert [out.token_ids for out in got] == expected
@@ -366,7 +367,7 @@ def test_a_prompts_next_chunk_runs_in_the_next_micro_batch_and_its_last_waits():
     # before is in flight, starting where it ends; once the chunk that completes the prompt
     # (and samples its first token) is in flight, the request waits for it to land.
     config = SchedulerConfig(prefill_chunk=16, idle_prefill_chunk=16, enable_prefix_cache=False)
-    scheduler = Scheduler(config, BlockPool(16, 16), micro_batches=2)
+    scheduler = Scheduler(config, KVManager(BlockPool(16, 16)), micro_batches=2)
     req = Request("long", prompt(20, seed=1), greedy(4))
     scheduler.add(req)
     starts, plans = [], []
@@ -374,15 +375,15 @@ def test_a_prompts_next_chunk_runs_in_the_next_micro_batch_and_its_last_waits():
         plan = scheduler.schedule()
         starts += [(req.num_scheduled, c.num_tokens) for c in plan.chunks]
         if plan.chunks:
-            scheduler.launched(plan, {req})
+            scheduler.in_flight.launched(plan, {req})
             plans.append(plan)
     # 20 tokens cut in at least two chunks (10 a micro-batch), of at most 8: 8, 8, 4.
     assert starts == [(0, 8), (8, 8), (16, 4)]
-    assert scheduler.in_flight[req] == 3 and req.num_scheduled == 20
+    assert scheduler.in_flight.held[req] == 3 and req.num_scheduled == 20
     for plan in plans:
-        scheduler.landed(plan, {req})
+        scheduler.in_flight.landed(plan, {req})
         scheduler.update(plan, StepOutcome(computed=plan.chunks))
-    assert not scheduler.in_flight and req.num_computed == 20
+    assert not scheduler.in_flight.held and req.num_computed == 20
 
 
 def test_a_prompt_cancelled_with_two_chunks_in_flight_runs_no_more_and_frees_its_blocks(
@@ -394,7 +395,7 @@ def test_a_prompt_cancelled_with_two_chunks_in_flight_runs_no_more_and_frees_its
     expected = LLM(path, dtype="float32").generate([stream_ids], greedy(30))[0].token_ids
     with LLM(path, dtype="float32", prefill_chunk=16, pipeline_parallel_size=3) as llm:
         engine = llm.engine
-        available = engine.pool.num_available
+        available = engine.kv.pool.num_available
         tokens: dict[str, list[int]] = {}
         reasons: dict[str, str] = {}
 
@@ -406,7 +407,9 @@ def test_a_prompt_cancelled_with_two_chunks_in_flight_runs_no_more_and_frees_its
                     reasons[event.request_id] = event.finish_reason
 
         def held() -> int:  # the long prompt's steps in flight
-            return sum(n for r, n in engine.scheduler.in_flight.items() if r.request_id == long)
+            return sum(
+                n for r, n in engine.scheduler.in_flight.held.items() if r.request_id == long
+            )
 
         stream = engine.add_request(stream_ids, greedy(30))
         for _ in range(4):
@@ -423,8 +426,8 @@ def test_a_prompt_cancelled_with_two_chunks_in_flight_runs_no_more_and_frees_its
         while engine.has_work:
             step()
             assert req.num_scheduled <= launched
-            assert req.block_table or not held()  # its chunks in flight write its blocks
+            assert req.kv.block_table or not held()  # its chunks in flight write its blocks
         assert reasons == {stream: "length", long: "cancelled"}
         assert tokens == {stream: expected}  # and none for the long prompt
-        assert engine.pool.num_used == 0 and engine.pool.num_available == available
-        assert not engine.scheduler.in_flight and not engine.scheduler.cancelled_in_flight
+        assert engine.kv.pool.num_used == 0 and engine.kv.pool.num_available == available
+        assert not engine.scheduler.in_flight.held and not engine.scheduler.in_flight.cancelled

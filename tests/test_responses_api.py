@@ -95,7 +95,7 @@ def test_string_input_with_instructions(
     again = oai.responses.create(
         input="Hello there", instructions="Be brief.", max_output_tokens=12, **GREEDY
     )
-    block = server.engine.pool.block_size
+    block = server.engine.kv.pool.block_size
     cached = (usage.input_tokens - 1) // block * block  # the last token is always recomputed
     assert again.usage.input_tokens_details.cached_tokens == cached > 0
     # 12 tokens of a greedy answer that does not end by itself within them.

@@ -19,6 +19,7 @@ from gapless.engine.runner import ModelRunner
 from gapless.engine.sampling_params import SERVICE_CLASSES, SamplingParams
 from gapless.engine.scheduler import Scheduler, SchedulerConfig
 from gapless.kv.block_pool import BlockPool
+from gapless.kv.manager import KVManager
 from gapless.model.encode_steps import EncodeSteps, EncodeWork
 from gapless.model.images import PreparedImage
 
@@ -49,7 +50,10 @@ def request(rid: str, prompt_len: int) -> Request:
 def decoding_scheduler(model: FakeCostModel, streams: int) -> Scheduler:
     config = SchedulerConfig(min_prefill_chunk=64, prefill_policy="shortest")
     scheduler = Scheduler(
-        config, BlockPool(2048, 16), model.prefill_budget, itl_targets=model.targets
+        config,
+        KVManager(BlockPool(2048, 16)),
+        prefill_budget=model.prefill_budget,
+        itl_targets=model.targets,
     )
     for i in range(streams):
         scheduler.add(request(f"s{i}", 8))
@@ -108,8 +112,8 @@ def test_the_strictest_class_decoding_sizes_the_step():
     def scheduler_for(*streams: str) -> Scheduler:
         scheduler = Scheduler(
             SchedulerConfig(min_prefill_chunk=64, prefill_chunk=300),
-            BlockPool(4096, 16),
-            model.prefill_budget,
+            KVManager(BlockPool(4096, 16)),
+            prefill_budget=model.prefill_budget,
             itl_targets={"interactive": 0.15, "batch": 1.0},
         )
         for i, service_class in enumerate(streams):
@@ -196,7 +200,7 @@ def run_image_step(scheduler: Scheduler) -> dict[str, tuple[int, list[tuple[int,
 def static_scheduler(streams: int, **options) -> Scheduler:
     """A scheduler without a latency target, `streams` requests decoding."""
     config = SchedulerConfig(prefill_chunk=512, idle_prefill_chunk=512, **options)
-    scheduler = Scheduler(config, BlockPool(2048, 16))
+    scheduler = Scheduler(config, KVManager(BlockPool(2048, 16)))
     for i in range(streams):
         scheduler.add(request(f"s{i}", 8))
     run_image_step(scheduler)
@@ -254,8 +258,8 @@ def test_under_a_target_the_chunk_shrinks_by_the_encodes_predicted_time():
     config = SchedulerConfig(min_prefill_chunk=64)
     scheduler = Scheduler(
         config,
-        BlockPool(2048, 16),
-        model.prefill_budget,
+        KVManager(BlockPool(2048, 16)),
+        prefill_budget=model.prefill_budget,
         encode_cost=model.encode_cost,
         itl_targets=model.targets,
     )
@@ -302,8 +306,8 @@ def test_under_a_target_an_encode_unit_costs_its_share_of_the_encodes_predicted_
     model = FakeEncodeCost(0.15, 0.01, 0.001, per_image_token=0.001)
     scheduler = Scheduler(
         SchedulerConfig(min_prefill_chunk=64),
-        BlockPool(2048, 16),
-        model.prefill_budget,
+        KVManager(BlockPool(2048, 16)),
+        prefill_budget=model.prefill_budget,
         encode_cost=model.encode_cost,
         itl_targets=model.targets,
     )
@@ -320,14 +324,14 @@ def test_under_a_target_an_encode_unit_costs_its_share_of_the_encodes_predicted_
 
 def test_cancel_mid_encode_frees_the_encode_and_the_blocks():
     scheduler = static_scheduler(streams=1)
-    used = scheduler.pool.num_used
+    used = scheduler.kv.pool.num_used
     req = image_request("img", [100], [1000], units=41)
     scheduler.add(req)
     run_image_step(scheduler)
-    assert 0 in req.image_encodes and scheduler.pool.num_used > used
+    assert 0 in req.image_encodes and scheduler.kv.pool.num_used > used
     scheduler.remove(req)
     assert not req.image_encodes and not req.image_embeds
-    assert scheduler.pool.num_used == used
+    assert scheduler.kv.pool.num_used == used
 
 
 def test_class_targets_parse_and_target_itl_ms_fills_the_rest():
@@ -359,8 +363,8 @@ def test_a_stricter_class_defers_looser_decodes_in_turns_to_meet_its_target():
     model = FakeCostModel(target=0, per_decode=0.01, per_token=0.001)
     scheduler = Scheduler(
         SchedulerConfig(min_prefill_chunk=64, max_num_seqs=64),
-        BlockPool(4096, 16),
-        model.prefill_budget,
+        KVManager(BlockPool(4096, 16)),
+        prefill_budget=model.prefill_budget,
         itl_targets={"interactive": 0.15},
     )
     for i in range(20):

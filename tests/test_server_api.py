@@ -148,7 +148,7 @@ def test_unknown_fields_ignored_and_prefix_cache_in_usage(
     assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     second = client.post(COMPLETIONS, json=body).json()
     # Whole blocks of the first prompt are reused, the last token is always recomputed.
-    block = server.engine.pool.block_size
+    block = server.engine.kv.pool.block_size
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (100 - 1) // block * block
 
 
@@ -588,7 +588,7 @@ def test_metrics_exposition(client: httpx.Client, server: RunningServer) -> None
             assert f'{name}_bucket{{class="{service_class}",le="+Inf"}}' in text
             assert f'{name}_count{{class="{service_class}"}}' in text
     values = server.metrics()
-    assert values["gapless_kv_blocks_total"] == server.engine.pool.num_blocks
+    assert values["gapless_kv_blocks_total"] == server.engine.kv.pool.num_blocks
     assert values["gapless_generation_tokens_total"] >= 3
     assert values["gapless_time_to_first_token_seconds_count"] >= 1
 

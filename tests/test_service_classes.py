@@ -15,6 +15,7 @@ from gapless.engine.request import Request
 from gapless.engine.sampling_params import SamplingParamsError
 from gapless.engine.scheduler import Scheduler, SchedulerConfig
 from gapless.kv.block_pool import BlockPool
+from gapless.kv.manager import KVManager
 
 
 def request(rid: str, prompt_len: int, service_class: str) -> Request:
@@ -38,7 +39,7 @@ def step(scheduler: Scheduler) -> list[tuple[str, int]]:
 @pytest.mark.parametrize("policy", ["fcfs", "shortest"])
 def test_a_later_interactive_prompt_prefills_before_a_waiting_batch_one(policy):
     config = SchedulerConfig(prefill_chunk=16, idle_prefill_chunk=16, prefill_policy=policy)
-    scheduler = Scheduler(config, BlockPool(64, 16))
+    scheduler = Scheduler(config, KVManager(BlockPool(64, 16)))
     # Without classes the batch prompt goes first by either policy: it came first and is the
     # shorter one.
     scheduler.add(request("batch", 40, "batch"))
@@ -50,7 +51,7 @@ def test_a_later_interactive_prompt_prefills_before_a_waiting_batch_one(policy):
 def test_preemption_takes_the_batch_request_before_a_newer_interactive_one():
     # The two prompts fill the four blocks. The batch request's next token fits in its
     # blocks; the interactive request's needs a fifth block, which only preempting frees.
-    scheduler = Scheduler(SchedulerConfig(enable_prefix_cache=False), BlockPool(4, 16))
+    scheduler = Scheduler(SchedulerConfig(), KVManager(BlockPool(4, 16), prefix_cache=False))
     batch, chat = request("batch", 20, "batch"), request("chat", 32, "interactive")
     scheduler.add(batch)
     step(scheduler)
@@ -116,7 +117,7 @@ def test_a_tenant_with_50_queued_requests_gets_one_share_of_prompt_tokens(policy
     config = SchedulerConfig(
         prefill_chunk=64, idle_prefill_chunk=64, max_num_seqs=64, prefill_policy=policy
     )
-    scheduler = Scheduler(config, BlockPool(4096, 16))
+    scheduler = Scheduler(config, KVManager(BlockPool(4096, 16)))
     heavy = [tenant_request(f"heavy-{i}", 300, "heavy", i) for i in range(50)]
     for req in heavy:
         scheduler.add(req)
@@ -137,7 +138,7 @@ def test_a_tenant_that_comes_back_is_not_owed_its_idle_time():
     """A tenant whose prompts arrive after another's have had the budget to themselves for a
     while shares from then on; it does not take every step until it has caught up."""
     config = SchedulerConfig(prefill_chunk=64, idle_prefill_chunk=64)
-    scheduler = Scheduler(config, BlockPool(4096, 16))
+    scheduler = Scheduler(config, KVManager(BlockPool(4096, 16)))
     scheduler.add(tenant_request("a", 4000, "a", 0))
     for _ in range(20):
         step(scheduler)
@@ -151,7 +152,7 @@ def test_an_interactive_request_takes_a_batch_requests_place_in_a_full_batch():
     the newer of them at once, instead of waiting for one to end; the batch request resumes
     once the chat ends, from its cached prefix."""
     config = SchedulerConfig(max_num_seqs=2, prefill_chunk=64, idle_prefill_chunk=64)
-    scheduler = Scheduler(config, BlockPool(64, 16))
+    scheduler = Scheduler(config, KVManager(BlockPool(64, 16)))
     old, new = request("old", 20, "batch"), request("new", 20, "batch")
     for r in (old, new):
         scheduler.add(r)
@@ -171,7 +172,7 @@ def test_an_interactive_request_takes_a_batch_requests_place_in_a_full_batch():
 
 def test_a_request_of_the_same_class_waits_for_a_slot():
     config = SchedulerConfig(max_num_seqs=1)
-    scheduler = Scheduler(config, BlockPool(64, 16))
+    scheduler = Scheduler(config, KVManager(BlockPool(64, 16)))
     scheduler.add(request("first", 20, "interactive"))
     step(scheduler)
     scheduler.add(request("second", 20, "interactive"))
@@ -184,7 +185,7 @@ def test_within_a_class_a_tenant_running_more_than_its_share_gives_up_a_slot():
     heavy's latest, and its second another (heavy 3 against light 1); its third waits, as
     heavy then runs no more than light (2 and 2). Without tenants nothing is preempted."""
     config = SchedulerConfig(max_num_seqs=4, prefill_chunk=64, idle_prefill_chunk=64)
-    scheduler = Scheduler(config, BlockPool(256, 16))
+    scheduler = Scheduler(config, KVManager(BlockPool(256, 16)))
 
     def tenant_request(rid: str, tenant: str) -> Request:
         req = request(rid, 20, "standard")

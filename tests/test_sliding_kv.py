@@ -18,6 +18,7 @@ from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.scheduler import Scheduler, SchedulerConfig
 from gapless.kv.block_pool import BlockPool
 from gapless.kv.groups import KVGroup, LayerGroups, split_blocks, window_blocks
+from gapless.kv.manager import KVManager
 from gapless.model.checkpoint import load_model
 
 WINDOW = 24  # the gemma3 test checkpoint's (tests/checkpoints.py)
@@ -44,18 +45,18 @@ def full_kv_engine(path) -> Engine:
 
 
 def pools_empty(e: Engine) -> bool:
-    return all(g.pool.num_used == 0 for g in e.scheduler.groups)
+    return all(g.pool.num_used == 0 for g in e.kv.groups)
 
 
 def test_the_local_layers_form_a_group_with_a_pool_of_their_own(gemma3):
     e = engine(gemma3)
     assert e.runner.groups.windows == (None, WINDOW)
     assert e.runner.groups.layers == ((5,), (0, 1, 2, 3, 4, 6))
-    [sliding] = e.scheduler.groups[1:]
+    [sliding] = e.kv.groups[1:]
     assert sliding.window == WINDOW and sliding.pool.num_blocks == e.runner.window_blocks[0]
     cache = e.runner.kv_cache
-    assert cache[5][0].shape[0] == e.pool.num_blocks
-    assert cache[0][0].shape[0] == sliding.pool.num_blocks < e.pool.num_blocks
+    assert cache[5][0].shape[0] == e.kv.pool.num_blocks
+    assert cache[0][0].shape[0] == sliding.pool.num_blocks < e.kv.pool.num_blocks
     e.reserve_peak_memory()  # its largest step fits the local pool too
 
 
@@ -72,7 +73,7 @@ def test_a_long_run_gives_the_tokens_of_transformers_and_of_full_kv(gemma3):
 
     e = engine(gemma3, speculate="none")  # one token a decode step, for the block count
     e.add_request(ids, greedy(DECODE))
-    [sliding] = e.scheduler.groups[1:]
+    [sliding] = e.kv.groups[1:]
     peak_prefill = peak_decode = 0
     log: dict = {}
     while e.has_work:
@@ -88,8 +89,8 @@ def test_a_long_run_gives_the_tokens_of_transformers_and_of_full_kv(gemma3):
             peak_prefill = max(peak_prefill, used)
         if e.scheduler.running:
             [req] = e.scheduler.running
-            assert e.pool.num_used == -(-req.num_computed // BLOCK)
-            assert used == sum(b >= 0 for b in req.window_tables[0])
+            assert e.kv.pool.num_used == -(-req.num_computed // BLOCK)
+            assert used == sum(b >= 0 for b in req.kv.window_tables[0])
     # The window math: a step of n new tokens holds the first one's window - 1 keys back and
     # the n, over one more block where they straddle block edges, and it is reached.
     assert peak_decode == window_blocks(WINDOW, 1, BLOCK) == 3
@@ -155,7 +156,7 @@ def test_cancel_mid_prefill_frees_every_group(gemma3):
     for _ in range(4):
         e.step()
     [req] = e.scheduler.running
-    assert req.state is RequestState.PREFILLING and -1 in req.window_tables[0]
+    assert req.state is RequestState.PREFILLING and -1 in req.kv.window_tables[0]
     e.cancel(rid)
     e.cancel(queued)
     e.step()
@@ -174,14 +175,13 @@ def test_a_prefix_is_served_only_as_far_as_every_group_holds_the_next_window():
     local = BlockPool(12, BLOCK)
     scheduler = Scheduler(
         SchedulerConfig(prefill_chunk=32, idle_prefill_chunk=32),
-        BlockPool(64, BLOCK),
-        window_groups=[KVGroup(local, WINDOW)],
+        KVManager(BlockPool(64, BLOCK), None, [KVGroup(local, WINDOW)]),
     )
     ids = prompt(8 * BLOCK + 3)
     a = Request("a", ids, SamplingParams())
     scheduled(scheduler, a)
     # Only the last blocks of the window stay in use; those before are cached, not lost.
-    assert sum(b >= 0 for b in a.window_tables[0]) == 3
+    assert sum(b >= 0 for b in a.kv.window_tables[0]) == 3
     scheduler.remove(a)
     assert local.num_used == 0 and local.num_cached == 8  # the 9th was not full
     # Evict the local blocks of the prompt's first half (least recently freed first).
@@ -197,7 +197,7 @@ def test_a_prefix_is_served_only_as_far_as_every_group_holds_the_next_window():
     scheduled(scheduler, c)
     assert c.cached_prompt_tokens == 0
     scheduler.remove(c)
-    assert all(g.pool.num_used == 0 for g in scheduler.groups)
+    assert all(g.pool.num_used == 0 for g in scheduler.kv.groups)
 
 
 def test_gemma3_270m_kv_bytes_per_token():

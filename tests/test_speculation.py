@@ -25,6 +25,7 @@ from gapless.engine.scheduler import Scheduler, SchedulerConfig
 from gapless.engine.speculation import Speculation
 from gapless.engine.structured import regex_grammar
 from gapless.kv.block_pool import BlockPool
+from gapless.kv.manager import KVManager
 from gapless.kv.prefix_cache import block_hashes
 from gapless.model.default_model import installed_default_model
 
@@ -64,12 +65,12 @@ class Run:
                 assert event.error is None, event.error
                 self.finished[rid] = event
         self.step_tokens.append(per_request)
-        bs = self.engine.pool.block_size
+        bs = self.engine.kv.pool.block_size
         for req in self.engine.scheduler.running:
-            assert len(req.block_table) <= -(-req.num_tokens // bs)
-            registered = len(req.block_hashes) * bs
+            assert len(req.kv.block_table) <= -(-req.num_tokens // bs)
+            registered = len(req.kv.hashes) * bs
             assert registered <= req.num_computed
-            assert req.block_hashes == block_hashes(req.tokens(0, registered), bs)
+            assert req.kv.hashes == block_hashes(req.tokens(0, registered), bs)
 
     def text(self, rid: str) -> str:
         return "".join(self.pieces[rid])
@@ -77,7 +78,7 @@ class Run:
     def until_idle(self) -> Run:
         while self.engine.has_work:
             self.step()
-        assert self.engine.pool.num_used == 0
+        assert self.engine.kv.pool.num_used == 0
         return self
 
 
@@ -201,7 +202,7 @@ def test_cancel_during_verification_frees_blocks_and_leaves_others_unchanged(che
     assert cancelled == [True]
     assert run.finished[a].finish_reason == "cancelled"
     [req_b] = engine.scheduler.running
-    assert engine.pool.num_used == len(req_b.block_table)
+    assert engine.kv.pool.num_used == len(req_b.kv.block_table)
     run.until_idle()
     assert run.tokens[b] == want[1]
 
@@ -380,27 +381,30 @@ def test_proposals_take_only_what_prompt_chunks_and_the_batch_leave():
         return prompt_tokens, [len(c.draft) for c in chunks if c.request.is_decoding]
 
     config = SchedulerConfig(prefill_chunk=32, idle_prefill_chunk=32)
-    plain = Scheduler(config, BlockPool(512, 16))
+    plain = Scheduler(config, KVManager(BlockPool(512, 16)))
     for seed in range(3):
         decoding(plain, seed)
     assert drafts(plain) == (0, [1, 1, 1])  # what an unknown acceptance rate is worth at 3
     # A prompt takes the budget first: 32 tokens of a long one leave nothing to verify ...
     assert drafts(plain, waiting=100) == (32, [0, 0, 0])
     # ... a short one leaves some.
-    short = Scheduler(config, BlockPool(512, 16))
+    short = Scheduler(config, KVManager(BlockPool(512, 16)))
     for seed in range(3):
         decoding(short, seed)
     assert drafts(short, waiting=30) == (30, [1, 1, 0])
     # Under a latency target that leaves no room, prompts still move, proposals do not.
     target = Scheduler(
-        config, BlockPool(512, 16), lambda contexts, start, target: 0, itl_targets={"standard": 0.1}
+        config,
+        KVManager(BlockPool(512, 16)),
+        prefill_budget=lambda contexts, start, target: 0,
+        itl_targets={"standard": 0.1},
     )
     for seed in range(3):
         decoding(target, seed)
     assert drafts(target, waiting=100) == (config.min_prefill_chunk, [0, 0, 0])
     # At batch 14 a row is worth it only for a request whose proposals are mostly accepted,
     # and a step holds at most VERIFY_ROWS rows: 14 decodes leave 2 proposals.
-    batch = Scheduler(config, BlockPool(512, 16))
+    batch = Scheduler(config, KVManager(BlockPool(512, 16)))
     requests = [decoding(batch, seed) for seed in range(14)]
     assert max(drafts(batch)[1]) <= 1  # the one-token probes of PROBE_EVERY at most
     for req in requests:

@@ -58,7 +58,7 @@ def run(engine: Engine, out: dict | None = None) -> dict[tuple[str, int], dict]:
     out = {} if out is None else out
     while engine.has_work:
         collect(out, engine.step())
-    assert engine.pool.num_used == 0
+    assert engine.kv.pool.num_used == 0
     return out
 
 
@@ -125,7 +125,7 @@ def test_a_failing_grammar_fails_only_its_request(engine):
 
 
 def test_n_choices_share_the_prompt_blocks_and_draw_from_seed_plus_index(engine):
-    bs = engine.pool.block_size
+    bs = engine.kv.pool.block_size
     ids = prompt(2 * bs + 8)  # two full blocks and a partly filled one
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=40, n=3, ignore_eos=True)
     rid = engine.add_request(ids, params)
@@ -133,7 +133,7 @@ def test_n_choices_share_the_prompt_blocks_and_draw_from_seed_plus_index(engine)
     while not all(r.output_ids for r in engine.intake.sequences(rid)):
         collect(got, engine.step())
     # The first choice's 3 blocks; each other choice adds only its copy of the partial block.
-    assert engine.pool.num_used == 3 + 2
+    assert engine.kv.pool.num_used == 3 + 2
     run(engine, got)
     assert got[rid, 0]["finish"].prompt_tokens == len(ids)
 
@@ -152,7 +152,7 @@ def test_cancelling_a_request_for_n_frees_every_choice(engine):
     engine.cancel(rid)
     got = run(engine)
     assert [got[rid, i]["finish"].finish_reason for i in range(4)] == ["cancelled"] * 4
-    assert engine.pool.num_used == 0
+    assert engine.kv.pool.num_used == 0
 
 
 def test_cancelled_before_the_fork_ends_the_waiting_choices_too(engine):

@@ -370,7 +370,7 @@ def test_two_images_prompt_and_greedy_tokens_equal_transformers(vlm, name: str) 
 
     runner = ModelRunner(ours.decoder, 16, 16)
     seq = with_images(Seq(ids, 0), ours, placed)
-    seq.req.block_table = list(range(16))
+    seq.req.kv.tables = [list(range(16))]
     logits, got = runner.execute([seq.chunk(len(ids))], set())[0], []
     seq.req.num_computed = len(ids)
     for _ in range(n):

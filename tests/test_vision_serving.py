@@ -89,7 +89,7 @@ def test_greedy_tokens_with_two_images_equal_transformers_whole_and_in_16_token_
     placed = chunked.admission.check_prompt(ids, images=[png(i) for i in images]).images
     assert any(p.start % 16 and p.length > 16 - p.start % 16 for p in placed)  # a chunk cuts one
     assert run(chunked, ids, images) == want
-    assert chunked.pool.num_used == 0
+    assert chunked.kv.pool.num_used == 0
 
 
 @pytest.mark.parametrize("name", ["llava-clip", "gemma3"])
@@ -175,7 +175,7 @@ def test_cancel_during_prefill_frees_blocks_and_embeddings(vlm) -> None:
     engine.cancel(request_id)  # mid-encode
     engine.step()
     assert not req.image_encodes and not req.image_embeds
-    assert engine.pool.num_used == 0
+    assert engine.kv.pool.num_used == 0
     assert not engine.has_work
 
 

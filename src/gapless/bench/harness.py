@@ -2,9 +2,9 @@
 bench/roofline.py), which time the model forward without a scheduler. Not the engine's path:
 there Scheduler.schedule plans each step and Scheduler.update books it.
 
-A Harness stands in for the scheduler's KV bookkeeping, in one place: it gives each request
-KV blocks from a pool of the runner's size as its chunks need them (as the scheduler reserves
-them), and advances the requests' num_computed after each step it books. A timing loop that
+A Harness stands in for the scheduler: it asks a KV manager of the runner's size for each
+request's blocks as its chunks need them (as the scheduler does), and advances the requests'
+num_computed after each step it books. A timing loop that
 reruns one step at a fixed context passes book=False: the step writes the same K/V slots
 again, and its requests stay where they were.
 """
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.engine.sampling_params import SamplingParams
-from gapless.kv.block_pool import BlockPool
+from gapless.kv.block_pool import BlockPool, OutOfBlocks
+from gapless.kv.manager import KVManager
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +31,7 @@ class Harness:
         if runner.window_blocks:
             raise ValueError("the harness keeps one block table: no sliding-window KV groups")
         self.runner = runner
-        self.pool = BlockPool(runner.num_blocks, runner.block_size)
+        self.kv = KVManager(BlockPool(runner.num_blocks, runner.block_size), prefix_cache=False)
         self._made = 0
 
     def request(self, prompt_ids: list[int], cached: int = 0) -> Request:
@@ -63,8 +64,7 @@ class Harness:
 
     def release(self, request: Request) -> None:
         """Gives the request's blocks back to the pool; it starts again from its first token."""
-        self.pool.release(request.block_table)
-        request.block_table = []
+        self.kv.free(request.kv)
         request.num_computed = 0
 
     def _reserve(self, request: Request, n: int) -> None:
@@ -75,9 +75,8 @@ class Harness:
                 f"{request.request_id}: {n} tokens after {request.num_computed}"
                 f" of its {request.num_tokens}"
             )
-        need = -(-end // self.pool.block_size) - len(request.block_table)
-        if need > 0:
-            request.block_table += self.pool.allocate(need)
+        if not self.kv.reserve(request.kv, request.num_computed, end):
+            raise OutOfBlocks(f"{request.request_id}: no KV blocks for {end} tokens")
 
     @staticmethod
     def _book(chunks: Sequence[tuple[Request, int]]) -> None:

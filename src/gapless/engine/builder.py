@@ -17,7 +17,9 @@ from gapless.engine.config import EngineConfig
 from gapless.engine.cost_model import LEARNING_CHUNK, StepCostModel
 from gapless.engine.draft import check_draft
 from gapless.engine.runner import ModelRunner
-from gapless.kv.groups import LayerGroups, split_blocks
+from gapless.kv.block_pool import BlockPool
+from gapless.kv.groups import KVGroup, LayerGroups, split_blocks
+from gapless.kv.manager import KVManager
 from gapless.model.checkpoint import load_model, read_model_config, tensor_bytes
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import check_shardable
@@ -154,6 +156,16 @@ def kv_runner(
     )
     encoder = vision.encoder if vision is not None else None
     return ModelRunner(decoder, num_blocks, config.block_size, encoder, window_blocks, cache_dtype)
+
+
+def kv_manager(runner: ModelRunner, prefix_cache: bool) -> KVManager:
+    """The KV manager of the runner's cache: a block pool per layer group, each group's
+    window with it."""
+    windows, bs = runner.groups.windows, runner.block_size
+    sliding = [
+        KVGroup(BlockPool(n, bs), w) for n, w in zip(runner.window_blocks, windows[1:], strict=True)
+    ]
+    return KVManager(BlockPool(runner.num_blocks, bs), windows[0], sliding, prefix_cache)
 
 
 def kv_cache_dtype(decoder: Decoder, config: EngineConfig) -> torch.dtype:

@@ -7,7 +7,6 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from gapless.engine.cost_model import plan_features
 from gapless.engine.draft import DraftModel
 from gapless.engine.emitter import Emitter, embedding, pool, record_prompt_logprobs
 from gapless.engine.events import Event, TokenLogprob
+from gapless.engine.in_flight import LaunchedStep
 from gapless.engine.intake import Intake, QueueFull
 from gapless.engine.metrics import EngineMetrics
 from gapless.engine.plan import Fork, ScheduledChunk, StepOutcome, StepPlan
@@ -29,8 +29,6 @@ from gapless.engine.sampler import sample_each
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.scheduler import Scheduler
 from gapless.engine.structured import GrammarCompiler
-from gapless.kv.block_pool import BlockPool
-from gapless.kv.groups import KVGroup
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import RankFailed
 from gapless.model.tokenizer import Tokenizer
@@ -41,21 +39,6 @@ log = logging.getLogger("gapless.engine")
 
 class EngineFailed(RuntimeError):
     """The engine can run no more steps (a tensor-parallel rank failed)."""
-
-
-@dataclass
-class InFlight:
-    """A pipeline's step launched and not yet completed."""
-
-    plan: StepPlan
-    rows: Callable[[], list[tuple[ScheduledChunk, torch.Tensor]]]  # waits for the last stage
-    features: list[float]  # the cost model's, taken at launch
-    started: float
-
-    def requests(self) -> set[Request]:
-        """Every request whose state the step's update moves: its chunks' and their forks'."""
-        forks = [child for f in self.plan.forks for child in (*f.children, *f.waiting)]
-        return {c.request for c in self.plan.chunks} | set(forks)
 
 
 class Engine:
@@ -82,17 +65,11 @@ class Engine:
         if draft is not None:
             cache_dtype = builder.kv_cache_dtype(draft, config)
             self.draft = DraftModel(draft, runner.num_blocks, runner.block_size, cache_dtype)
-        self.pool = BlockPool(runner.num_blocks, runner.block_size)
-        window_groups = [
-            KVGroup(BlockPool(n, runner.block_size), w)
-            for n, w in zip(runner.window_blocks, runner.groups.windows[1:], strict=True)
-        ]
+        self.kv = builder.kv_manager(runner, scheduling.enable_prefix_cache)
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         if mcfg.max_window is None:
             # A sequence longer than the pool could be preempted and never fit again.
-            self.max_model_len = min(
-                self.max_model_len, self.pool.num_blocks * self.pool.block_size
-            )
+            self.max_model_len = min(self.max_model_len, self.kv.capacity_tokens())
         chunked = scheduling.chunked_prefill
         self.whole_prefill = not chunked or not runner.supports_chunked_prefill
         if chunked and not runner.supports_chunked_prefill:
@@ -106,21 +83,19 @@ class Engine:
                 budget = self.cost_model.prefill_budget
         self.scheduler = Scheduler(
             scheduling,
-            self.pool,
-            budget,
-            mcfg.max_window,
-            self.max_model_len,
-            window_groups,
-            encode_cost,
-            None if self.draft is None else self.draft.unseen,
-            itl_targets,
-            config.pipeline_parallel_size,
-            mcfg.prompt_work(),
+            self.kv,
+            prefill_budget=budget,
+            itl_targets=itl_targets,
+            max_model_len=self.max_model_len,
+            encode_cost=encode_cost,
+            draft_unseen=None if self.draft is None else self.draft.unseen,
+            micro_batches=config.pipeline_parallel_size,
+            prompt_work=mcfg.prompt_work(),
         )
         # A pipeline of P stages keeps up to P steps in flight: while the later stages run one,
         # rank 0 runs its stage of the next (_step_in_flight).
         self.max_in_flight = config.pipeline_parallel_size
-        self._in_flight: deque[InFlight] = deque()
+        self._in_flight: deque[LaunchedStep] = deque()
         self.steps_overlapped = 0  # steps launched while another was in flight
         self.metrics = EngineMetrics(ttft_targets, itl_targets)
         self.num_steps = 0
@@ -179,7 +154,7 @@ class Engine:
         """
         if self.whole_prefill:
             return
-        context = min(self.max_model_len, self.pool.num_blocks * self.pool.block_size)
+        context = min(self.max_model_len, self.kv.capacity_tokens())
         num_tokens = min(self.scheduler.max_step_tokens, context)
         self.runner.run_largest_step(num_tokens, context)
         if self.draft is not None:
@@ -258,7 +233,7 @@ class Engine:
         if self._in_flight and (not launched or len(self._in_flight) == self.max_in_flight):
             step = self._in_flight.popleft()
             rows = step.rows()
-            for req in self.scheduler.landed(step.plan, step.requests()):
+            for req in self.scheduler.in_flight.landed(step.plan, step.requests()):
                 self.emitter.finish(req, "cancelled")
             computed = [(c, r) for c, r in rows if not self.emitter.has_ended(c.request)]
             self._complete(step.plan, computed, step.features, step.started)
@@ -276,8 +251,10 @@ class Engine:
         features = plan_features(plan)
         chunks = plan.chunks
         logits = self.runner.launch(chunks, self._every_row(chunks))
-        step = InFlight(plan, lambda: list(zip(chunks, logits(), strict=True)), features, started)
-        self.scheduler.launched(plan, step.requests())
+        step = LaunchedStep(
+            plan, lambda: list(zip(chunks, logits(), strict=True)), features, started
+        )
+        self.scheduler.in_flight.launched(plan, step.requests())
         self._in_flight.append(step)
         return True
 
@@ -472,7 +449,7 @@ class Engine:
         The steps in flight are dropped (after a failed rank, none completes)."""
         while self._in_flight:
             step = self._in_flight.popleft()
-            self.scheduler.landed(step.plan, step.requests())
+            self.scheduler.in_flight.landed(step.plan, step.requests())
         self._take_incoming()
         for req in self.intake.live():
             self.emitter.finish(req, "error", error)
@@ -484,7 +461,7 @@ class Engine:
         for req in incoming:
             self.scheduler.add(req)
         for req in cancelled:
-            if not self.scheduler.cancel_in_flight(req):
+            if not self.scheduler.in_flight.cancel(req):
                 self.emitter.finish(req, "cancelled")
         self.scheduler.finish(self.emitter.take_ended())
 

@@ -17,7 +17,7 @@ SUMMARY_ID_CHARS = 8
 
 
 def stats(engine: Engine) -> dict[str, int]:
-    scheduler, pool, metrics = engine.scheduler, engine.pool, engine.metrics
+    scheduler, pool, metrics = engine.scheduler, engine.kv.pool, engine.metrics
     running = scheduler.running
     return {
         "requests_running": len(running),
@@ -30,7 +30,7 @@ def stats(engine: Engine) -> dict[str, int]:
         "prefix_cache_hit_tokens_total": scheduler.prefix_hit_tokens,
         "prefix_cache_queried_tokens_total": scheduler.prefix_queried_tokens,
         "preemptions_total": scheduler.preemptions,
-        "prompt_chunks_overlapped_total": scheduler.prompt_chunks_overlapped,
+        "prompt_chunks_overlapped_total": scheduler.in_flight.prompt_chunks_overlapped,
         "speculative_proposed_tokens_total": metrics.speculative_proposed_tokens,
         "speculative_accepted_tokens_total": metrics.speculative_accepted_tokens,
         "steps_in_flight": engine.steps_in_flight,
@@ -65,7 +65,7 @@ def summary(engine: Engine, max_rows: int = 100) -> dict[str, Any]:
             }
         )
     decode, prefill, seconds = engine.last_step
-    pool = engine.pool
+    pool = engine.kv.pool
     return {
         "steps": engine.num_steps,
         "last_step": {

@@ -1,9 +1,11 @@
 """A request's state as the engine runs it, grouped by who writes it:
-- the scheduler (with the block pool) owns its KV state: state, num_computed, its tokens in
-  a pipeline's steps in flight, the block table and hashes, admission and preemption counts;
+- the scheduler owns its KV state: state, num_computed, its tokens in a pipeline's steps in
+  flight, admission and preemption counts, and its blocks (`kv`), which it moves only
+  through the KV manager (kv/manager.py);
 - sampling state (`sampling`: seeded generator, penalty counts, grammar) is made with it,
   and so is its proposer of speculative tokens (`speculation`, None when it speculates not);
-- the engine's output path owns `output` (detokenizer, stop strings) and the timings.
+- the engine's output path owns `output` (detokenizer, stop strings) and the timings of its
+  tokens (the first scheduling is the scheduler's).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 from gapless.engine.events import ProgressEvent, TokenLogprob
 from gapless.engine.sampler import SamplingState
 from gapless.engine.sampling_params import SamplingParams
+from gapless.kv.manager import SeqBlocks
 
 if TYPE_CHECKING:
     import torch
@@ -69,15 +72,11 @@ class Request:
     # Tokens of its chunks in pipeline steps launched and not yet completed: a prompt's next
     # chunk may run in the next micro-batch (Scheduler.launched), starting after them.
     num_in_flight: int = 0
-    block_table: list[int] = field(default_factory=list)  # -1: released, outside the window
-    # A hybrid model's: the block table of each sliding-window KV group (kv/groups.py) but
-    # the first, whose is block_table.
-    window_tables: list[list[int]] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # of full computed blocks
-    num_registered: int = 0  # blocks of block_table already offered to the prefix cache
-    cached_prompt_tokens: int = 0
+    kv: SeqBlocks = field(default_factory=SeqBlocks)  # its block table in each KV group
+    cached_prompt_tokens: int = 0  # served by the prefix cache at its first admission
     preemptions: int = 0
     admitted_seq: int = -1  # admission order: within a class, the last admitted is preempted
+    first_scheduled_time: float | None = None  # its first admission
 
     # The runner's: an image's embeddings by its index in `images`, from the step whose chunk
     # first reaches it until the prompt is computed past it (or the request is preempted),
@@ -92,7 +91,6 @@ class Request:
     pooled: torch.Tensor | None = None
     # The other choices, until this one's prompt is computed and they share its KV blocks.
     forks: list[Request] = field(default_factory=list)
-    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None

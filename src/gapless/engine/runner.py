@@ -292,7 +292,7 @@ class ModelRunner:
         req, start = chunk.request, chunk.request.num_scheduled
         end = start + chunk.num_tokens
         blocks = -(-end // self.block_size)
-        table = req.block_table[:blocks]
+        table = req.kv.block_table[:blocks]
         hidden = None
         if req.pooling is not None:
             hidden = "sum" if req.pooling == "mean" else "last"
@@ -314,7 +314,7 @@ class ModelRunner:
             self._image_embeds(req, start, end),
             rope,
             whole,
-            tuple(t[:blocks] for t in req.window_tables),
+            tuple(t[:blocks] for t in req.kv.window_tables),
         )
 
     @torch.inference_mode()

@@ -140,8 +140,8 @@ def _serve(args: argparse.Namespace) -> int:
         name,
         model_dir,
         engine.max_model_len,
-        engine.pool.num_blocks,
-        engine.pool.block_size,
+        engine.kv.pool.num_blocks,
+        engine.kv.pool.block_size,
         kv_cache_name(engine.runner.kv_cache_dtype),
     )
     server = GaplessServer(engine, settings, args.host, args.port, args.log_level, thread, tenants)

@@ -1,0 +1,209 @@
+"""The KV manager: every sequence's blocks in every KV group (kv/groups.py), the prefix
+cache's reuse of them, and their release once a sliding window has passed them. The
+scheduler decides who runs; it asks this manager what a prompt has cached, whether a
+sequence's next tokens fit, and to free a sequence, and never touches a pool or a block
+table itself.
+
+Positions are the scheduler's: `computed` is where a sequence's next query starts (its K/V
+before it is in the cache), `end` how many tokens its blocks must hold. Nothing here knows a
+request; a sequence's blocks are its `SeqBlocks`, which only this manager writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from gapless.kv.block_pool import BlockPool
+from gapless.kv.groups import KVGroup, first_needed_block
+from gapless.kv.prefix_cache import block_hashes
+
+# Tokens as the prefix cache keys them: ids, or for an image's rows (its key, the offset).
+KeyedTokens = Sequence[int | tuple[str, int]]
+
+
+@dataclass
+class SeqBlocks:
+    """One sequence's KV blocks: its table in each group, group 0's first (-1 where a window
+    has passed; empty before it is admitted), the chain hashes of its full computed blocks,
+    and how many of those blocks the prefix cache has been offered."""
+
+    tables: list[list[int]] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    registered: int = 0
+
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's table: the full-attention layers' (or the widest window's)."""
+        return self.tables[0] if self.tables else []
+
+    @property
+    def window_tables(self) -> list[list[int]]:
+        """The sliding-window groups' tables, in group order."""
+        return self.tables[1:]
+
+
+class KVManager:
+    def __init__(
+        self,
+        pool: BlockPool,
+        window: int | None = None,
+        window_groups: Sequence[KVGroup] = (),
+        prefix_cache: bool = True,
+    ) -> None:
+        """`pool` and `window`: group 0's; `window_groups`: a hybrid model's sliding-window
+        groups, each with its own pool. `prefix_cache`: whether full computed blocks are
+        offered for reuse by later prompts with the same prefix."""
+        self.groups = [KVGroup(pool, window), *window_groups]
+        self.prefix_cache = prefix_cache
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.groups[0].pool
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def capacity_tokens(self) -> int:
+        """The most tokens one sequence's group 0 blocks can hold."""
+        return self.pool.num_blocks * self.block_size
+
+    def can_start(self, tokens: int) -> bool:
+        """Whether the pools have room for a sequence's first `tokens` tokens."""
+        return self.pool.num_available > tokens // self.block_size
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def admit(self, seq: SeqBlocks, keyed: KeyedTokens | None) -> int:
+        """Gives a new sequence the cached blocks of its longest cached prefix, and returns
+        that prefix's tokens. `keyed`: its tokens as the cache keys them, or None where no
+        cached token may serve (prompt logprobs, mean pooling). Its last token is always left
+        to compute: its logits pick the first output token (and a last-token embedding reads
+        its hidden state)."""
+        bs = self.block_size
+        hashes: list[int] = []
+        if self.prefix_cache and keyed is not None:
+            hashes = block_hashes(keyed, bs)
+            hashes = hashes[: self._reusable(hashes[: (len(keyed) - 1) // bs])]
+        cached = len(hashes) * bs
+        tables = []
+        for group in self.groups:  # each claims the blocks the next position reads
+            first = first_needed_block(cached, group.window, bs)
+            tables.append([-1] * first + [group.pool.lookup(h) for h in hashes[first:]])
+        seq.tables, seq.hashes, seq.registered = tables, hashes, len(hashes)
+        return cached
+
+    def _reusable(self, hashes: list[int]) -> int:
+        """How many leading blocks of these prefix hashes the cache can serve: group 0 holds
+        them all, and each sliding group the ones the first position after them reads."""
+        bs, first, *sliding = self.block_size, *self.groups
+        n = 0
+        while n < len(hashes) and first.pool.holds(hashes[n]):
+            n += 1
+        while n and not all(
+            all(g.pool.holds(h) for h in hashes[first_needed_block(n * bs, g.window, bs) : n])
+            for g in sliding
+        ):
+            n -= 1
+        return n
+
+    # -- growth -------------------------------------------------------------------------------
+
+    def reserve(self, seq: SeqBlocks, computed: int, end: int) -> bool:
+        """Makes room in the sequence's tables for `end` tokens, first releasing what the
+        windows have passed at `computed`; False, with nothing allocated, where a pool is
+        short."""
+        self.drop_outside_window(seq, computed)
+        tables = self._tables(seq)
+        need = -(-end // self.block_size) - len(tables[0])
+        if need <= 0:
+            return True
+        if any(need > g.pool.num_available for g in self.groups):
+            return False
+        for group, table in zip(self.groups, tables, strict=True):
+            table += group.pool.allocate(need)
+        return True
+
+    def room(self, seq: SeqBlocks, scheduled: int) -> int:
+        """How many more tokens after `scheduled` the sequence's blocks and the pools' free
+        ones can hold."""
+        spare = len(seq.block_table) * self.block_size - scheduled
+        return spare + min(g.pool.num_available for g in self.groups) * self.block_size
+
+    def drop_outside_window(self, seq: SeqBlocks, computed: int) -> None:
+        """Releases the blocks a group's window has moved past (the rotating cache): none is
+        read by the query at `computed` or any later one."""
+        for group, table in zip(self.groups, seq.tables, strict=False):
+            first = first_needed_block(computed, group.window, self.block_size)
+            stale = [b for b in table[:first] if b >= 0]
+            if stale:
+                group.pool.release(stale)
+                table[:first] = [-1] * first
+
+    def truncate(self, seq: SeqBlocks, tokens: int) -> None:
+        """Releases the blocks past the first `tokens` tokens' (rejected proposals', whose
+        K/V is overwritten before anything reads it)."""
+        keep = -(-tokens // self.block_size)
+        for group, table in zip(self.groups, seq.tables, strict=False):
+            group.pool.release([b for b in table[keep:] if b >= 0])
+            del table[keep:]
+
+    def register(
+        self, seq: SeqBlocks, computed: int, keyed: Callable[[int, int], KeyedTokens]
+    ) -> None:
+        """Offers the sequence's blocks that `computed` tokens newly filled to the prefix
+        cache. `keyed(start, end)`: its tokens start..end as the cache keys them."""
+        if not self.prefix_cache:
+            return
+        bs = self.block_size
+        full, done = computed // bs, len(seq.hashes)
+        if full <= done:
+            return
+        parent = seq.hashes[-1] if done else 0
+        seq.hashes += block_hashes(keyed(done * bs, full * bs), bs, parent)
+        for group, table in zip(self.groups, seq.tables, strict=False):
+            for i in range(seq.registered, full):
+                if table[i] >= 0:
+                    group.pool.register(table[i], seq.hashes[i])
+        seq.registered = full
+
+    def free(self, seq: SeqBlocks) -> None:
+        """Releases all the sequence's blocks (cached ones stay findable until evicted)."""
+        for group, table in zip(self.groups, seq.tables, strict=False):
+            group.pool.release([b for b in table if b >= 0])
+        seq.tables, seq.hashes, seq.registered = [], [], 0
+
+    # -- forks --------------------------------------------------------------------------------
+
+    def fork_tail(self, seq: SeqBlocks, partial: bool) -> bool:
+        """Gives a sequence that will fork from a parent's prompt its own block in each group
+        for the copy of the parent's partly filled last block (none when the prompt fills its
+        blocks); False where a pool has none free."""
+        if partial and not all(g.pool.num_available for g in self.groups):
+            return False
+        seq.tables = [g.pool.allocate(1) if partial else [] for g in self.groups]
+        return True
+
+    def fork(
+        self, parent: SeqBlocks, child: SeqBlocks, computed: int
+    ) -> list[list[tuple[int, int]]]:
+        """Starts the child on the parent's `computed` prompt tokens: their full blocks shared
+        by reference, its own tail block (fork_tail) after them. Returns, for each group, the
+        (source, destination) blocks whose K/V must be copied."""
+        full = computed // self.block_size
+        copies: list[list[tuple[int, int]]] = []
+        tables = []
+        for group, table, own in zip(self.groups, parent.tables, child.tables, strict=True):
+            group.pool.share([b for b in table[:full] if b >= 0])
+            tables.append(table[:full] + own)
+            copies.append([(table[full], block) for block in own])
+        child.tables = tables
+        child.hashes = parent.hashes[:full]
+        child.registered = min(parent.registered, full)
+        return copies
+
+    def _tables(self, seq: SeqBlocks) -> list[list[int]]:
+        if not seq.tables:
+            seq.tables = [[] for _ in self.groups]
+        return seq.tables
