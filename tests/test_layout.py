@@ -77,3 +77,19 @@ def test_the_runner_imports_nothing_of_the_schedulers():
             reached.add(target)
             todo.append(target)
     assert "gapless.engine.scheduler" not in reached
+
+
+def test_the_scheduling_rooms_touch_no_block_table_or_pool():
+    """The KV manager (kv/manager.py) owns the blocks: the scheduler and the rooms it plans
+    with ask it, and never read a pool, a block table or a block's hash themselves."""
+    kv_state = {"pool", "tables", "block_table", "window_tables", "hashes", "registered"}
+    for name in ("scheduler", "policy", "forks", "proposals", "image_chunks", "in_flight"):
+        module = f"gapless.engine.{name}"
+        assert "gapless.kv.block_pool" not in import_graph()[module]
+        tree = ast.parse(modules()[module].read_text())
+        touched = {
+            node.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr in kv_state
+        }
+        assert touched == set(), module

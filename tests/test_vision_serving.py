@@ -299,7 +299,7 @@ def test_without_a_target_encodes_are_priced_by_the_cost_model(vlm) -> None:
     engine = engine_of(path, chunk=16)
     model = engine.cost_model
     assert model is not None and engine.scheduler.encode_cost == model.encode_cost
-    assert engine.scheduler.prefill_budget is None  # no target: chunks stay 16 tokens
+    assert engine.scheduler.targets is None  # no target: chunks stay 16 tokens
     for _ in range(3):
         assert run(engine, ids, images) == want
     assert model.trained

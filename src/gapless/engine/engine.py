@@ -18,14 +18,14 @@ from gapless.engine.config import EngineConfig
 from gapless.engine.cost_model import plan_features
 from gapless.engine.draft import DraftModel
 from gapless.engine.emitter import Emitter, embedding, pool, record_prompt_logprobs
-from gapless.engine.events import Event, TokenLogprob
+from gapless.engine.events import Event
 from gapless.engine.in_flight import LaunchedStep
 from gapless.engine.intake import Intake, QueueFull
 from gapless.engine.metrics import EngineMetrics
 from gapless.engine.plan import Fork, ScheduledChunk, StepOutcome, StepPlan
 from gapless.engine.request import Request
 from gapless.engine.runner import ModelRunner
-from gapless.engine.sampler import sample_each
+from gapless.engine.sample_runs import sample_runs
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.scheduler import Scheduler
 from gapless.engine.structured import GrammarCompiler
@@ -268,7 +268,7 @@ class Engine:
         """Reads the rows of the plan's computed chunks, samples, and books the step."""
         outcome = StepOutcome()
         runs = self._read_rows(plan, computed, outcome)
-        self._sample_runs(runs, outcome)
+        sample_runs(runs, outcome, self.emitter, self.metrics)
         outcome.finished = self.emitter.take_ended()
         self.runner.copy_blocks(self.scheduler.update(plan, outcome))
         self._observe_step(plan, features, time.perf_counter() - started)
@@ -285,13 +285,16 @@ class Engine:
             self.scheduler.verify(plan, self.draft.propose(plan.drafts))
 
     def _execute(self, plan: StepPlan) -> list[tuple[ScheduledChunk, torch.Tensor]]:
-        """Runs the plan's encodes and its forward: each computed chunk with its rows."""
-        for chunk in [c for c in plan.chunks if not c.num_tokens]:  # an encode alone: no rows
+        """Runs the plan's encodes, then its forward over the chunks with tokens whose encodes
+        did not fail: each computed chunk with its rows."""
+        encoded = []
+        for chunk in plan.chunks:
             try:
                 self.runner.encode(chunk)
+                encoded.append(chunk)
             except Exception as exc:
                 self.emitter.fail(chunk.request, exc)
-        return self._forward([c for c in plan.chunks if c.num_tokens])
+        return self._forward([c for c in encoded if c.num_tokens])
 
     def _read_rows(
         self,
@@ -386,63 +389,6 @@ class Engine:
             return [req]
         self.emitter.forked(req)
         return [req, *fork.children]
-
-    def _sample_runs(
-        self,
-        runs: list[tuple[Request, torch.Tensor, list[int]]],
-        outcome: StepOutcome,
-    ) -> None:
-        """Samples each request's rows in order, all requests' row j in one batch, and appends
-        each token as it comes. A request's next row is sampled only while its tokens are its
-        draft's: row j's logits saw draft[j] in the context, so they are the next token's only
-        if draft[j] is what was drawn (speculation.py says why this keeps the distribution).
-        The outcome gets who sampled, and each verified request's accepted proposals (whose
-        K/V it keeps; the rest is dropped: Scheduler.update)."""
-        rows_of = {req: rows for req, rows, _ in runs}
-        draft_of = {req: draft for req, _, draft in runs}
-        accepted = dict.fromkeys(draft_of, 0)
-        live = list(draft_of)
-        position = 0
-        while live:
-            sampled = self._sample([(req, rows_of[req][position]) for req in live])
-            live = []
-            for req, token, info in sampled:
-                try:
-                    self.emitter.token(req, token, info)
-                except Exception as exc:
-                    self.emitter.fail(req, exc)
-                    continue
-                if position == 0:
-                    outcome.sampled.append(req)
-                draft = draft_of[req]
-                if position < len(draft) and token == draft[position]:
-                    accepted[req] += 1
-                    if not self.emitter.has_ended(req):
-                        live.append(req)
-            position += 1
-        for req, draft in draft_of.items():
-            if not draft:
-                continue
-            req.speculation.observe(len(draft), accepted[req])
-            self.metrics.speculative_proposed_tokens += len(draft)
-            self.metrics.speculative_accepted_tokens += accepted[req]
-            outcome.accepted[req] = accepted[req]
-
-    def _sample(
-        self, batch: list[tuple[Request, torch.Tensor]]
-    ) -> list[tuple[Request, int, TokenLogprob | None]]:
-        """A token for each row, failing only the requests whose rows fail (sample_each)."""
-        if not batch:
-            return []
-        reqs = [r for r, _ in batch]
-        results = sample_each([r.sampling for r in reqs], torch.stack([x for _, x in batch]))
-        sampled = []
-        for req, result in zip(reqs, results, strict=True):
-            if isinstance(result, Exception):
-                self.emitter.fail(req, result)
-            else:
-                sampled.append((req, *result))
-        return sampled
 
     def fail_all(self, error: str) -> list[Event]:
         """Ends every live request with an error, releasing its KV; the engine stays usable.

@@ -288,7 +288,6 @@ class ModelRunner:
             raise RankFailed(parallel.diagnose(exc)) from exc
 
     def _input(self, chunk: ScheduledChunk, all_logits: bool) -> ChunkInput:
-        self.encode(chunk)
         req, start = chunk.request, chunk.request.num_scheduled
         end = start + chunk.num_tokens
         blocks = -(-end // self.block_size)
@@ -319,9 +318,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def encode(self, chunk: ScheduledChunk) -> None:
-        """Runs the encode work the scheduler put in this step (chunk.encodes), once (a failed
-        step's chunks run again one at a time): an image's embeddings stay on the request
-        until its prompt passes them, its encode in progress until it completes."""
+        """Runs the encode work the scheduler put in this step (chunk.encodes), before the
+        step's forward (the engine calls it once per chunk): an image's embeddings stay on
+        the request until its prompt passes them, its encode in progress until it completes."""
         req = chunk.request
         for i, units in chunk.encodes:
             encode = req.image_encodes.get(i)
@@ -334,7 +333,6 @@ class ModelRunner:
                 raise
             if done:
                 req.image_embeds[i] = req.image_encodes.pop(i).finish()
-        chunk.encodes = []
 
     def _image_embeds(
         self, req: Request, start: int, end: int
