@@ -4,7 +4,7 @@ It must share the target's tokenizer (check_same_tokenizer), since its token ids
 target's. Its K/V lives in its own block pool, with its own block table per request. Before
 proposing, it reads the request's tokens it has not seen (the prompt, then the accepted
 output), in chunks that the scheduler takes out of the step's token budget as it does prompt
-chunks (Scheduler._speculate), so that a long prompt's catch-up stalls no stream; then it
+chunks (proposals.py), so that a long prompt's catch-up stalls no stream; then it
 proposes k tokens with k greedy (argmax) forwards. Each forward is batched over all the
 requests the step speculates for, as the target's are.
 

@@ -1,7 +1,8 @@
 """The messages of a step. The scheduler plans what a step runs (Scheduler.schedule) and
 calls no model; the engine carries the plan out (the draft model's proposals, the encodes,
-the forward, the sampling) and hands back what came of it (Scheduler.update), the one place
-where a request's KV bookkeeping moves. The runner reads the plan's chunks and nothing of
+the forward, the sampling) and hands back what came of it (Scheduler.update). A plan is
+complete once the draft model's proposals are in its decodes (Scheduler.verify, before the
+forward); nothing changes it after that. The runner reads the plan's chunks and nothing of
 the scheduler's."""
 
 from __future__ import annotations
