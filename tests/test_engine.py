@@ -501,7 +501,7 @@ def test_a_step_that_raises_as_its_prompt_forks_leaves_no_block_behind(make_engi
     def broken(*args: object) -> None:
         raise RuntimeError("a bug in sampling")
 
-    monkeypatch.setattr(engine, "_sample_runs", broken)
+    monkeypatch.setattr("gapless.engine.engine.sample_runs", broken)
     with pytest.raises(RuntimeError, match="a bug in sampling"):
         engine.step()
     engine.fail_all("the step failed")

@@ -4,7 +4,7 @@ A decoding request with k proposed tokens runs as one span of k + 1 query tokens
 sampled token, then the proposals) beside the step's other decodes and prompt chunks
 (proposals.py picks k; a draft model's proposals are made by the engine between the
 plan and the forward), and its k + 1 rows of logits are sampled in order
-(Engine._sample_runs): row j's token is drawn exactly as a plain decode would draw it, with
+(sample_runs.py): row j's token is drawn exactly as a plain decode would draw it, with
 the request's own generator, grammar mask, penalties and logprobs, after the tokens before
 it were accepted. If that token is proposal j, the proposal is accepted and row j + 1 is
 sampled; otherwise the token drawn ends the run. The proposals' rows only ever show the
