@@ -202,6 +202,7 @@ def test_summaries_show_counts_and_never_text(server: RunningServer) -> None:
         "tenant",
         "prompt_tokens",
         "computed",
+        "reloaded",
         "generated",
         "age_s",
         "ttft_s",

@@ -5,6 +5,7 @@ size, the ranks of a tensor-parallel group)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from gapless.engine.cost_model import LEARNING_CHUNK, StepCostModel
 from gapless.engine.draft import check_draft
 from gapless.engine.runner import ModelRunner
 from gapless.kv.block_pool import BlockPool
+from gapless.kv.disk import DiskTier
 from gapless.kv.groups import KVGroup, LayerGroups, split_blocks
 from gapless.kv.manager import KVManager
 from gapless.model.checkpoint import load_model, read_model_config, tensor_bytes
@@ -38,6 +40,7 @@ class Parts:
     runner: ModelRunner
     draft: Decoder | None = None
     vision: VisionLanguageModel | None = None
+    model: Path | None = None  # where the weights came from
 
 
 def build(
@@ -75,7 +78,8 @@ def build(
     except BaseException:
         group.abort()
         raise
-    return Parts(decoder, tokenizer, config, runner), group.stop if owns_group else None
+    parts = Parts(decoder, tokenizer, config, runner, model=Path(path))
+    return parts, group.stop if owns_group else None
 
 
 def what_ranks_load(path: str | Path, config: EngineConfig) -> distributed.LoadModel:
@@ -111,7 +115,7 @@ def _build_local(path: str | Path, config: EngineConfig) -> Parts:
         vision = load_vision_language(path, config.dtype, device)
         runner = kv_runner(vision.decoder, config, vision=vision)
         tokenizer = Tokenizer.from_pretrained(path)
-        return Parts(vision.decoder, tokenizer, config, runner, vision=vision)
+        return Parts(vision.decoder, tokenizer, config, runner, vision=vision, model=Path(path))
     decoder, tokenizer = load_model(path, config.dtype, device, None, *quantize)
     draft = None
     if config.draft_model is not None:
@@ -119,7 +123,8 @@ def _build_local(path: str | Path, config: EngineConfig) -> Parts:
             config.draft_model, config.dtype, device, None, *quantize
         )
         check_draft((decoder, tokenizer), (draft, draft_tokenizer))
-    return Parts(decoder, tokenizer, config, kv_runner(decoder, config, draft), draft)
+    runner = kv_runner(decoder, config, draft)
+    return Parts(decoder, tokenizer, config, runner, draft, model=Path(path))
 
 
 def kv_runner(
@@ -158,14 +163,52 @@ def kv_runner(
     return ModelRunner(decoder, num_blocks, config.block_size, encoder, window_blocks, cache_dtype)
 
 
-def kv_manager(runner: ModelRunner, prefix_cache: bool) -> KVManager:
+def kv_manager(runner: ModelRunner, config: EngineConfig, model: Path | None) -> KVManager:
     """The KV manager of the runner's cache: a block pool per layer group, each group's
-    window with it."""
+    window with it, and with --kv-disk the disk tier under the prefix cache. `model`: the
+    file or directory the weights came from (None: built in memory, which a disk tier
+    cannot tell from another model: it is refused)."""
     windows, bs = runner.groups.windows, runner.block_size
     sliding = [
         KVGroup(BlockPool(n, bs), w) for n, w in zip(runner.window_blocks, windows[1:], strict=True)
     ]
-    return KVManager(BlockPool(runner.num_blocks, bs), windows[0], sliding, prefix_cache)
+    prefix_cache = config.scheduler.enable_prefix_cache
+    disk = None
+    if config.kv_disk is not None and prefix_cache:
+        if model is None:
+            raise ValueError("--kv-disk needs a model loaded from a file or directory")
+        disk = DiskTier(
+            config.kv_disk,
+            int(config.kv_disk_gb * 1e9),
+            kv_disk_fingerprint(runner, model),
+            runner.block_shapes(),
+            runner.kv_cache_dtype,
+        )
+    return KVManager(BlockPool(runner.num_blocks, bs), windows[0], sliding, prefix_cache, disk)
+
+
+def kv_disk_fingerprint(runner: ModelRunner, model: Path) -> str:
+    """A digest of everything that makes a block's K/V valid for this engine: the weights and
+    tokenizer (every file of the model: a GGUF file holds both), the family, the compute and
+    KV storage types, the block size and the layer groups. Two servers of the same files and
+    options share blocks; any difference gives another directory."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in model.rglob("*") if p.is_file()) if model.is_dir() else [model]
+    for path in files:
+        digest.update(path.name.encode())
+        with path.open("rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    decoder = runner.decoder
+    facts = (
+        decoder.config.architecture,
+        str(decoder.dtype),
+        str(runner.kv_cache_dtype),
+        runner.block_size,
+        runner.groups,
+        "rank 0 of 1",  # the tier runs on one rank (EngineConfig refuses it under parallelism)
+    )
+    digest.update(repr(facts).encode())
+    return digest.hexdigest()[:32]
 
 
 def kv_cache_dtype(decoder: Decoder, config: EngineConfig) -> torch.dtype:

@@ -20,8 +20,9 @@ from gapless.model.quantize import (
     quantizer,
 )
 
-# The --help section of the image options.
+# The --help sections of the image options and the KV disk tier's.
 IMAGES = "images (vision-language models)"
+KV_DISK = "KV disk tier"
 
 
 @dataclass
@@ -67,6 +68,22 @@ class EngineConfig:
         "bytes per 32 values (a head size that is a multiple of 32); auto: float16 on CPUs "
         "with F16C, bfloat16 where attention runs in it (CUDA, bf16 CPUs), else float32",
         choices=("auto", *KV_CACHE_DTYPES),
+    )
+    kv_disk: str | None = option(
+        None,
+        "keep full prompt blocks' KV in this directory too, as a second tier under the "
+        "prefix cache: a restart, a replica sharing the directory, or a prefix evicted from "
+        "RAM loads it instead of computing it (docs/server.md, The KV disk tier)",
+        metavar="DIR",
+        section=KV_DISK,
+    )
+    kv_disk_gb: float = option(
+        10.0,
+        "the most GB --kv-disk's directory holds; beyond it the least recently used blocks "
+        "are deleted",
+        positive=True,
+        metavar="GB",
+        section=KV_DISK,
     )
     max_model_len: int | None = option(
         None, "context length (default: the model's maximum)", positive=True
@@ -175,6 +192,9 @@ class EngineConfig:
             raise ValueError("--speculate draft and --draft-model go together")
         if self.draft_model is not None and self.world_size > 1:
             raise ValueError("a draft model runs without tensor or pipeline parallelism")
+        if self.kv_disk is not None and self.world_size > 1:
+            # Each rank holds its own shard's KV: the tier would need every rank's files.
+            raise ValueError("--kv-disk runs without tensor or pipeline parallelism, for now")
         if self.pipeline_layers is not None and self.pipeline_parallel_size == 1:
             raise ValueError("--pipeline-layers needs --pipeline-parallel-size 2 or more")
 

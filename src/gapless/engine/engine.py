@@ -50,11 +50,13 @@ class Engine:
         runner: ModelRunner | None = None,
         draft: Decoder | None = None,
         vision: VisionLanguageModel | None = None,
+        model: Path | None = None,
     ) -> None:
         """`draft`: the draft model's decoder, with --speculate draft (its tokenizer checked
         against `tokenizer` already). `vision`: a vision-language model's encoder and
         processor (its decoder is `decoder`): prompts may then hold images. `runner`: one
-        sized by builder.kv_runner unless given."""
+        sized by builder.kv_runner unless given. `model`: the file or directory the weights
+        came from (what the KV disk tier's fingerprint reads)."""
         self.config = config = config or EngineConfig()
         self.decoder = decoder
         self.vision = vision
@@ -65,7 +67,7 @@ class Engine:
         if draft is not None:
             cache_dtype = builder.kv_cache_dtype(draft, config)
             self.draft = DraftModel(draft, runner.num_blocks, runner.block_size, cache_dtype)
-        self.kv = builder.kv_manager(runner, scheduling.enable_prefix_cache)
+        self.kv = builder.kv_manager(runner, config, model)
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         if mcfg.max_window is None:
             # A sequence longer than the pool could be preempted and never fit again.
@@ -140,7 +142,10 @@ class Engine:
 
     def close(self) -> None:
         """Ends the tensor-parallel ranks this engine started (also done when it is garbage
-        collected, and at exit); idempotent. The engine runs no step afterwards."""
+        collected, and at exit) and waits for the KV disk tier's writes; idempotent. The
+        engine runs no step afterwards."""
+        if self.kv.disk is not None:
+            self.kv.disk.close()
         self._close()
 
     def reserve_peak_memory(self) -> None:
@@ -216,7 +221,7 @@ class Engine:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         self._propose(plan)
-        if not plan.chunks:
+        if not plan.chunks and not plan.loads:
             return self.emitter.take_events()
         features = plan_features(plan)  # before the update moves num_computed
         self._complete(plan, self._execute(plan), features, started)
@@ -271,6 +276,9 @@ class Engine:
         sample_runs(runs, outcome, self.emitter, self.metrics)
         outcome.finished = self.emitter.take_ended()
         self.runner.copy_blocks(self.scheduler.update(plan, outcome))
+        if self.kv.disk is not None:  # the blocks the update offered to the prefix cache
+            for block_hash, group, block in self.kv.take_writes():
+                self.kv.disk.write(block_hash, group, self.runner.block_kv(group, block))
         self._observe_step(plan, features, time.perf_counter() - started)
 
     def _propose(self, plan: StepPlan) -> None:
@@ -287,6 +295,10 @@ class Engine:
     def _execute(self, plan: StepPlan) -> list[tuple[ScheduledChunk, torch.Tensor]]:
         """Runs the plan's encodes, then its forward over the chunks with tokens whose encodes
         did not fail: each computed chunk with its rows."""
+        for load in plan.loads:
+            request = load.request
+            loads = self.kv.take_loads(request.kv, load.num_blocks, request.num_computed)
+            self.runner.load_blocks(loads)
         encoded = []
         for chunk in plan.chunks:
             try:

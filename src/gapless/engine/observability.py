@@ -19,6 +19,8 @@ SUMMARY_ID_CHARS = 8
 def stats(engine: Engine) -> dict[str, int]:
     scheduler, pool, metrics = engine.scheduler, engine.kv.pool, engine.metrics
     running = scheduler.running
+    disk = engine.kv.disk
+    on_disk = {} if disk is None else {f"kv_disk_{k}_total": v for k, v in vars(disk.stats).items()}
     return {
         "requests_running": len(running),
         "requests_waiting": len(scheduler.waiting) + len(engine.queued()),
@@ -35,6 +37,7 @@ def stats(engine: Engine) -> dict[str, int]:
         "speculative_accepted_tokens_total": metrics.speculative_accepted_tokens,
         "steps_in_flight": engine.steps_in_flight,
         "steps_overlapped_total": engine.steps_overlapped,
+        **on_disk,
     }
 
 
@@ -59,6 +62,7 @@ def summary(engine: Engine, max_rows: int = 100) -> dict[str, Any]:
                 "tenant": req.params.tenant,
                 "prompt_tokens": prompt,
                 "computed": min(req.num_computed, prompt),
+                "reloaded": req.disk_prompt_tokens,
                 "generated": len(req.output_ids),
                 "age_s": round(now - req.arrival_time, 3),
                 "ttft_s": None if first is None else round(first - req.arrival_time, 3),

@@ -46,6 +46,15 @@ class Fork:
 
 
 @dataclass
+class DiskLoad:
+    """Blocks of a request's cached prefix that the step loads from the disk tier into its
+    KV blocks (kv/manager.py: KVManager.ready), after its computed tokens."""
+
+    request: Request
+    num_blocks: int
+
+
+@dataclass
 class StepPlan:
     # Decodes first, by class then admission (scheduler.precedence), then prompt chunks by
     # class then in the prefill policy's order.
@@ -56,6 +65,7 @@ class StepPlan:
     # Requests preempted to make room for this step: their KV is gone, the draft's too.
     preempted: list[Request] = field(default_factory=list)
     forks: list[Fork] = field(default_factory=list)
+    loads: list[DiskLoad] = field(default_factory=list)  # before the forward
 
     @property
     def decodes(self) -> list[ScheduledChunk]:

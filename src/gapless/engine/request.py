@@ -73,7 +73,9 @@ class Request:
     # chunk may run in the next micro-batch (Scheduler.launched), starting after them.
     num_in_flight: int = 0
     kv: SeqBlocks = field(default_factory=SeqBlocks)  # its block table in each KV group
-    cached_prompt_tokens: int = 0  # served by the prefix cache at its first admission
+    # Served by the prefix cache at its first admission, from RAM or from disk.
+    cached_prompt_tokens: int = 0
+    disk_prompt_tokens: int = 0  # loaded from the disk tier (kv/disk.py)
     preemptions: int = 0
     admitted_seq: int = -1  # admission order: within a class, the last admitted is preempted
     first_scheduled_time: float | None = None  # its first admission

@@ -203,6 +203,28 @@ class ModelRunner:
                 keys[dst] = keys[src]
                 values[dst] = values[src]
 
+    def block_kv(self, group: int, block: int) -> torch.Tensor:
+        """A copy of one block's K/V in one KV group, [layers, 2, block_size, kv_heads, row]:
+        what the disk tier stores (kv/disk.py)."""
+        layers = [self.layer_caches[layer] for layer in self.groups.layers[group]]
+        return torch.stack([torch.stack((k[block], v[block])) for k, v in layers]).cpu()
+
+    def load_blocks(self, loads: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Writes K/V that block_kv gave into the cache: (group, block, K/V) each."""
+        for group, block, kv in loads:
+            for layer, (k, v) in zip(self.groups.layers[group], kv, strict=True):
+                keys, values = self.layer_caches[layer]
+                keys[block] = k
+                values[block] = v
+
+    def block_shapes(self) -> list[tuple[int, ...]]:
+        """Each KV group's block_kv shape."""
+        keys = [self.layer_caches[layers[0]][0] for layers in self.groups.layers]
+        return [
+            (len(layers), 2, *k.shape[1:])
+            for layers, k in zip(self.groups.layers, keys, strict=True)
+        ]
+
     def execute(self, chunks: list[ScheduledChunk], all_logits: set[int]) -> list[torch.Tensor]:
         """Runs the chunks in one forward pass.
 

@@ -47,7 +47,7 @@ from gapless.engine.forks import completes_with_forks, plan_fork, start_children
 from gapless.engine.image_chunks import keep_images_whole, plan_encodes
 from gapless.engine.in_flight import StepsInFlight
 from gapless.engine.options import check, option
-from gapless.engine.plan import Fork, ScheduledChunk, StepOutcome, StepPlan
+from gapless.engine.plan import DiskLoad, Fork, ScheduledChunk, StepOutcome, StepPlan
 from gapless.engine.policy import (
     PREFILL_POLICIES,
     FairShare,
@@ -177,7 +177,9 @@ class Scheduler:
         self._make_room_for_urgent()
         decodes = self._schedule_decodes()
         self.steps += 1
-        candidates = self._prompt_candidates()
+        loads = self._plan_loads(idle=not decodes)
+        loading = {load.request for load in loads}
+        candidates = [r for r in self._prompt_candidates() if r not in loading]
         head = candidates[0] if candidates else None
         start = head.num_scheduled if head is not None else 0
         target = self.targets.step_target(decodes) if self.targets is not None else None
@@ -200,6 +202,8 @@ class Scheduler:
                 if self.policy.head_blocks:
                     break
                 continue
+            if self.kv.loading(request.kv):
+                continue  # admitted on a prefix the disk holds: its chunks follow its load
             planned = self._prompt_chunk(request, work, budget, first=len(chunks) == len(decodes))
             if planned is None:
                 continue
@@ -222,7 +226,26 @@ class Scheduler:
                 forking = sum(len(f.children) for f in forks)  # the step's earlier forks'
                 seats = self.config.max_num_seqs - len(self.running) - forking
                 forks.append(plan_fork(chunk.request, seats, self.kv))
-        return StepPlan(chunks, drafts, preempted, forks)
+        return StepPlan(chunks, drafts, preempted, forks, loads)
+
+    def _plan_loads(self, idle: bool) -> list[DiskLoad]:
+        """The blocks of cached prefixes that the disk tier has read, loaded this step: as
+        many as a prompt chunk's tokens fill (an idle one's when nobody decodes), so that a
+        long prefix's load costs the decodes beside it no more than a chunk would. A prompt
+        still loading gets no chunk: its next one starts after the loaded prefix."""
+        chunk = self.config.idle_prefill_chunk if idle else self.config.prefill_chunk
+        budget = max(1, chunk // self.kv.block_size)
+        loads = []
+        for request in self.running:
+            if budget <= 0:
+                break
+            if not self.kv.loading(request.kv) or request in self.in_flight:
+                continue
+            n = self.kv.ready(request.kv, budget)
+            if n and self._reserve(request, n * self.kv.block_size):
+                loads.append(DiskLoad(request, n))
+                budget -= n
+        return loads
 
     def _prompt_candidates(self) -> list[Request]:
         """The prompts that may get tokens this step, in the order they get them: admitted
@@ -235,6 +258,7 @@ class Scheduler:
             for r in self.running
             if r.state is RequestState.PREFILLING
             and r.num_scheduled < r.num_tokens
+            and not self.kv.loading(r.kv)
             and r not in self.in_flight.cancelled
         ]
         candidates += self.waiting
@@ -407,6 +431,14 @@ class Scheduler:
         proposals, and the blocks of its rejected ones released; and the requests that
         ended, removed. Returns, for each KV group, the (source, destination) blocks whose
         K/V the runner must copy for the forks."""
+        for load in plan.loads:
+            request, tokens = load.request, load.num_blocks * self.kv.block_size
+            request.num_computed += tokens
+            self.kv.register(request.kv, request.num_computed, request.hash_tokens)
+            request.disk_prompt_tokens += tokens
+            if not request.preemptions:
+                request.cached_prompt_tokens += tokens
+                self.prefix_hit_tokens += tokens
         for chunk in outcome.computed:
             request = chunk.request
             request.num_computed += chunk.num_tokens - len(chunk.draft)

@@ -7,19 +7,42 @@ table itself.
 Positions are the scheduler's: `computed` is where a sequence's next query starts (its K/V
 before it is in the cache), `end` how many tokens its blocks must hold. Nothing here knows a
 request; a sequence's blocks are its `SeqBlocks`, which only this manager writes.
+
+With a disk tier (disk.py), a prompt's cached prefix may go on past what RAM holds: the
+blocks found on disk are read ahead on the tier's threads while the sequence waits, and
+loaded into its blocks as they arrive (ready, take_loads), a step's share at a time. Every
+block the prefix cache is offered is also queued for the disk (take_writes), unless the
+disk holds it already.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import torch
+
 from gapless.kv.block_pool import BlockPool
+from gapless.kv.disk import DiskTier
 from gapless.kv.groups import KVGroup, first_needed_block
 from gapless.kv.prefix_cache import block_hashes
 
 # Tokens as the prefix cache keys them: ids, or for an image's rows (its key, the offset).
 KeyedTokens = Sequence[int | tuple[str, int]]
+# Blocks read from disk ahead of their load, per sequence: enough to fill a few steps' loads
+# while bounding the memory a long prefix's reads hold.
+READ_AHEAD = 64
+
+
+@dataclass
+class DiskBlock:
+    """A block of a sequence's prefix found on disk: its hash, the groups that need it (group
+    0 always; a sliding group where its window reaches it), and their reads once started."""
+
+    block_hash: int
+    groups: tuple[int, ...]
+    reads: dict[int, Future[torch.Tensor | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -31,6 +54,8 @@ class SeqBlocks:
     tables: list[list[int]] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
     registered: int = 0
+    # The blocks after its computed ones still to load from disk, in order.
+    loading: list[DiskBlock] = field(default_factory=list)
 
     @property
     def block_table(self) -> list[int]:
@@ -50,12 +75,17 @@ class KVManager:
         window: int | None = None,
         window_groups: Sequence[KVGroup] = (),
         prefix_cache: bool = True,
+        disk: DiskTier | None = None,
     ) -> None:
         """`pool` and `window`: group 0's; `window_groups`: a hybrid model's sliding-window
         groups, each with its own pool. `prefix_cache`: whether full computed blocks are
-        offered for reuse by later prompts with the same prefix."""
+        offered for reuse by later prompts with the same prefix; `disk`: the tier under it."""
         self.groups = [KVGroup(pool, window), *window_groups]
         self.prefix_cache = prefix_cache
+        self.disk = disk if prefix_cache else None
+        # (hash, group, block) offered to the cache and not on disk: the engine copies each
+        # block's K/V out for the disk's writer (take_writes).
+        self._writes: list[tuple[int, int, int]] = []
 
     @property
     def pool(self) -> BlockPool:
@@ -82,17 +112,91 @@ class KVManager:
         to compute: its logits pick the first output token (and a last-token embedding reads
         its hidden state)."""
         bs = self.block_size
-        hashes: list[int] = []
+        prefix: list[int] = []
         if self.prefix_cache and keyed is not None:
-            hashes = block_hashes(keyed, bs)
-            hashes = hashes[: self._reusable(hashes[: (len(keyed) - 1) // bs])]
+            prefix = block_hashes(keyed, bs)[: (len(keyed) - 1) // bs]
+        hashes = prefix[: self._reusable(prefix)]
         cached = len(hashes) * bs
         tables = []
         for group in self.groups:  # each claims the blocks the next position reads
             first = first_needed_block(cached, group.window, bs)
             tables.append([-1] * first + [group.pool.lookup(h) for h in hashes[first:]])
         seq.tables, seq.hashes, seq.registered = tables, hashes, len(hashes)
+        if self.disk is not None:
+            seq.loading = self._on_disk(prefix, len(hashes))
         return cached
+
+    def _on_disk(self, prefix: list[int], start: int) -> list[DiskBlock]:
+        """The blocks of the prefix after its first `start` that the disk holds: group 0's
+        all, and each sliding group's those its window reaches from the position after
+        them."""
+        assert self.disk is not None
+        bs, disk = self.block_size, self.disk
+        n = start
+        while n < len(prefix) and disk.holds(prefix[n], 0):
+            n += 1
+        disk.missed(len(prefix) - n)
+
+        def needs(end: int) -> list[tuple[int, ...]]:
+            """The groups each block of start..end needs, for a prefix ending at end."""
+            firsts = [first_needed_block(end * bs, g.window, bs) for g in self.groups]
+            return [tuple(g for g, f in enumerate(firsts) if i >= f) for i in range(start, end)]
+
+        while n > start and not all(
+            disk.holds(prefix[i], g) for i, groups in enumerate(needs(n), start) for g in groups
+        ):
+            n -= 1
+        return [DiskBlock(prefix[i], g) for i, g in enumerate(needs(n), start)]
+
+    @staticmethod
+    def loading(seq: SeqBlocks) -> bool:
+        """Whether blocks of the sequence's cached prefix are still to load from disk."""
+        return bool(seq.loading)
+
+    def ready(self, seq: SeqBlocks, most: int) -> int:
+        """How many of the sequence's next blocks to load have been read and checked (at most
+        `most`); reads ahead of them start. A block that failed its read ends the loading
+        there: its tokens and those after it are computed."""
+        assert self.disk is not None
+        for block in seq.loading[:READ_AHEAD]:
+            for g in block.groups:
+                if g not in block.reads:
+                    block.reads[g] = self.disk.read(block.block_hash, g)
+        n = 0
+        for block in seq.loading[:most]:
+            reads = block.reads.values()
+            if not all(r.done() for r in reads):
+                break
+            if any(r.result() is None for r in reads):
+                self._stop_loading(seq, n)
+                break
+            n += 1
+        return n
+
+    def take_loads(
+        self, seq: SeqBlocks, n: int, computed: int
+    ) -> list[tuple[int, int, torch.Tensor]]:
+        """The next n blocks' K/V, read, as (group, block, K/V) for the blocks reserved for
+        them after the `computed` tokens; they leave the sequence's loading."""
+        first = computed // self.block_size
+        loads = []
+        for i, block in enumerate(seq.loading[:n]):
+            for g, read in block.reads.items():
+                loads.append((g, seq.tables[g][first + i], read.result()))
+        del seq.loading[:n]
+        return loads
+
+    def _stop_loading(self, seq: SeqBlocks, keep: int) -> None:
+        for block in seq.loading[keep:]:
+            for read in block.reads.values():
+                read.cancel()
+        del seq.loading[keep:]
+
+    def take_writes(self) -> list[tuple[int, int, int]]:
+        """The (hash, group, block) offered to the cache since the last call that the disk
+        lacks: the caller copies each block's K/V out before the block can be reused."""
+        writes, self._writes = self._writes, []
+        return writes
 
     def _reusable(self, hashes: list[int]) -> int:
         """How many leading blocks of these prefix hashes the cache can serve: group 0 holds
@@ -162,16 +266,19 @@ class KVManager:
             return
         parent = seq.hashes[-1] if done else 0
         seq.hashes += block_hashes(keyed(done * bs, full * bs), bs, parent)
-        for group, table in zip(self.groups, seq.tables, strict=False):
+        for g, (group, table) in enumerate(zip(self.groups, seq.tables, strict=False)):
             for i in range(seq.registered, full):
                 if table[i] >= 0:
                     group.pool.register(table[i], seq.hashes[i])
+                    if self.disk is not None and not self.disk.holds(seq.hashes[i], g):
+                        self._writes.append((seq.hashes[i], g, table[i]))
         seq.registered = full
 
     def free(self, seq: SeqBlocks) -> None:
         """Releases all the sequence's blocks (cached ones stay findable until evicted)."""
         for group, table in zip(self.groups, seq.tables, strict=False):
             group.pool.release([b for b in table if b >= 0])
+        self._stop_loading(seq, 0)
         seq.tables, seq.hashes, seq.registered = [], [], 0
 
     # -- forks --------------------------------------------------------------------------------

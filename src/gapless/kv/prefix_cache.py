@@ -1,9 +1,16 @@
 """Chained hashes of full prompt blocks: equal hashes mean equal whole prefixes. A block's
 tokens are ids, or for an image's rows (its content key, the offset into the image)
-(Request.hash_tokens)."""
+(Request.hash_tokens).
+
+A hash is the first 8 bytes of BLAKE2b over the parent's hash and the block's tokens, as an
+unsigned 64-bit integer: the same in every process and on every machine (Python's own hash
+of a string is salted per process), so that the disk tier (kv/disk.py) and another server
+sharing its directory find a block by it.
+"""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 
@@ -13,6 +20,8 @@ def block_hashes(
     """Hash of each full block, chained through its parent so it identifies the whole prefix."""
     hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        block = repr(tuple(token_ids[start : start + block_size])).encode()
+        digest = hashlib.blake2b(parent.to_bytes(8, "little") + block, digest_size=8).digest()
+        parent = int.from_bytes(digest, "little")
         hashes.append(parent)
     return hashes

@@ -223,6 +223,7 @@ function render(s) {
       state: q.state,
       prompt: q.prompt_tokens,
       computed: q.computed,
+      reloaded: q.reloaded,
       generated: q.generated,
     });
     if (myIds.has(q.id)) tr.className = "mine";
@@ -230,7 +231,9 @@ function render(s) {
     progress.max = q.prompt_tokens;
     progress.value = q.computed;
     const label = document.createElement("span");
-    label.textContent = ` ${q.computed}/${q.prompt_tokens}`;
+    // Tokens reloaded from the disk tier count as computed; the label says how many.
+    const reloaded = q.reloaded ? ` (${q.reloaded} from disk)` : "";
+    label.textContent = ` ${q.computed}/${q.prompt_tokens}${reloaded}`;
     const prefill = cell("", "prefill");
     prefill.append(progress, label);
     tr.append(
