@@ -203,3 +203,20 @@ def test_text_workloads_are_distinct_and_seeded():
         assert all(isinstance(r.prompt, str) for r in reqs)
     copies = build_workload(WorkloadSpec("grounded", num_streams=3))
     assert len({r.prompt.split("```python\n")[1][:80] for r in copies}) == 3
+
+
+def test_multiturn_turns_extend_their_conversation_and_wait_for_the_turn_before():
+    spec = WorkloadSpec(
+        "multiturn", conversations=3, turns=4, prefix_tokens=100, suffix_tokens=10, answer_tokens=5
+    )
+    reqs = {r.rid: r for r in build_workload(spec)}
+    assert reqs == {r.rid: r for r in build_workload(spec)} and len(reqs) == 12
+    firsts = [r for r in reqs.values() if r.after is None]
+    assert len(firsts) == 3 and sorted(len(r.prompt) for r in firsts) == [110] * 3
+    for r in reqs.values():
+        if r.after is not None:
+            before = reqs[r.after]
+            # the turn before's prompt, its reply (5 tokens) and a new question (10)
+            assert r.prompt[: len(before.prompt)] == before.prompt
+            assert len(r.prompt) == len(before.prompt) + 15 and r.max_tokens == 5
+    assert len({tuple(r.prompt[:100]) for r in firsts}) == 3  # a document each

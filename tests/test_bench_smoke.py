@@ -27,7 +27,7 @@ from gapless.bench.compare import free_port
 from gapless.bench.make_model import model_config, tensor_shapes, write_random_safetensors
 from gapless.bench.metrics import compute_metrics
 from gapless.bench.report import TABLE_ROWS
-from gapless.bench.workloads import WorkloadSpec
+from gapless.bench.workloads import WorkloadSpec, build_workload
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Every metric the stall workload must produce (goodput because the tests pass --slo).
@@ -225,6 +225,32 @@ def test_the_mix_sends_each_requests_class_and_tenants_key_and_reports_each(
     assert "'c' is none of --tenants" in capsys.readouterr().err
 
 
+def test_a_conversations_next_turn_is_sent_only_after_the_turn_before_ended(fake_server, tmp_path):
+    out = tmp_path / "out"
+    argv = ["--url", fake_server, "--model", "fake", "--vocab-size", "512", "--out", str(out)]
+    conversation = ["--workload", "multiturn", "--conversations", "2", "--turns", "3"]
+    shape = ["--prefix-tokens", "64", "--suffix-tokens", "8", "--answer-tokens", "4"]
+    assert bench([*argv, *conversation, *shape, "--think-s", "0.05", "--rate", "100"]) == 0
+    records = json.loads((out / "results.json").read_text())["configs"]["default"]["requests"]
+    by_rid = {r["rid"]: r for r in records}
+    spec = WorkloadSpec(
+        "multiturn",
+        vocab_size=512,
+        conversations=2,
+        turns=3,
+        prefix_tokens=64,
+        suffix_tokens=8,
+        answer_tokens=4,
+        think_s=0.05,
+        rate=100,
+    )
+    follow_ups = [r for r in build_workload(spec) if r.after is not None]
+    assert len(follow_ups) == 4 and len(records) == 6
+    for r in follow_ups:
+        assert by_rid[r.rid]["send_s"] >= by_rid[r.after]["end_s"]
+        assert by_rid[r.rid]["prompt_tokens"] == by_rid[r.after]["prompt_tokens"] + 12
+
+
 def test_cancel_workload_disconnects(fake_server, tmp_path):
     out = tmp_path / "out"
     rc = bench(
@@ -332,6 +358,26 @@ def test_compare_on_tiny_checkpoint(tmp_path):
     _assert_png(out / "timeline.png")
     _assert_png(out / "itl_cdf.png")
     _assert_png(out / "tradeoff.png")
+
+
+def test_a_restart_on_the_kv_disk_tier_serves_the_prefix_with_the_same_output(tmp_path):
+    """The restart benchmark (docs/benchmarks.md): two configurations on one --kv-disk
+    directory are two servers one after the other, the second a restart of the first."""
+    ckpt = tmp_path / "tiny"
+    assert bench(["make-model", str(ckpt), "--preset", "tiny", "--seed", "0"]) == 0
+    out, disk = tmp_path / "out", tmp_path / "kv"
+    flags = f"--kv-disk {disk} --speculate none"
+    argv = [
+        *("--compare", f"cold={flags}", f"restarted={flags}", "--model-dir", str(ckpt)),
+        *("--model", "tiny", "--server-timeout", "60", "--workload", "prefix"),
+        *("--num-requests", "1", "--prefix-tokens", "300", "--suffix-tokens", "10"),
+        *("--answer-tokens", "8", "--out", str(out)),
+    ]
+    assert bench(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["same_outputs"] is True
+    cached = {n: r["metrics"]["cached_prompt_tokens"] for n, r in results["configs"].items()}
+    assert cached["cold"] == 0 and cached["restarted"] >= 300
 
 
 def test_capacity_on_tiny_checkpoint(tmp_path):

@@ -139,6 +139,39 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     wl.add_argument("--num-requests", type=int, default=32)
     wl.add_argument("--duration", type=float, default=None, help="stop arrivals after S seconds")
     wl.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=WorkloadSpec.prefix_tokens,
+        help="prefix: the shared prefix; multiturn: each conversation's document (tokens)",
+    )
+    wl.add_argument(
+        "--suffix-tokens",
+        type=int,
+        default=WorkloadSpec.suffix_tokens,
+        help="prefix: each request's own tokens after it; multiturn: each question's",
+    )
+    wl.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=WorkloadSpec.answer_tokens,
+        help="prefix, multiturn: tokens generated per request (multiturn: each reply)",
+    )
+    wl.add_argument(
+        "--conversations",
+        type=int,
+        default=WorkloadSpec.conversations,
+        help="multiturn: conversations, starting at --rate",
+    )
+    wl.add_argument(
+        "--turns", type=int, default=WorkloadSpec.turns, help="multiturn: turns per conversation"
+    )
+    wl.add_argument(
+        "--think-s",
+        type=float,
+        default=WorkloadSpec.think_s,
+        help="multiturn: mean seconds between a reply and the next question",
+    )
+    wl.add_argument(
         "--mix",
         type=parse_shares,
         default=WorkloadSpec.mix,
@@ -307,6 +340,12 @@ def _spec(args: argparse.Namespace, vocab: int) -> WorkloadSpec:
         only_tenant=args.only_tenant,
         send_classes=args.send_classes,
         length_scale=args.length_scale,
+        prefix_tokens=args.prefix_tokens,
+        suffix_tokens=args.suffix_tokens,
+        answer_tokens=args.answer_tokens,
+        conversations=args.conversations,
+        turns=args.turns,
+        think_s=args.think_s,
     )
 
 
@@ -352,7 +391,7 @@ def _client_options(args: argparse.Namespace) -> dict[str, Any]:
 def _warm_up(args: argparse.Namespace, url: str, model: str, first: BenchRequest) -> None:
     """Short requests shaped as the first (its key, where it sends one)."""
     warm = [
-        replace(first, rid=-1 - i, arrival_s=0.0, prompt=first.prompt[:8], max_tokens=4)
+        replace(first, rid=-1 - i, arrival_s=0.0, prompt=first.prompt[:8], max_tokens=4, after=None)
         for i in range(args.warmup)
     ]
     records, _ = asyncio.run(
@@ -390,6 +429,17 @@ def _shares(records: list[RequestRecord]) -> dict[str, list[RequestRecord]]:
             if share is not None:
                 shares.setdefault(share, []).append(r)
     return dict(sorted(shares.items()))
+
+
+def _outputs_differ(records_by_config: dict[str, list[RequestRecord]]) -> list[int]:
+    """The requests whose greedy output is not the same in every configuration (each
+    completed in all of them)."""
+    texts: dict[int, set[str]] = {}
+    for records in records_by_config.values():
+        for r in records:
+            if r.ok:
+                texts.setdefault(r.rid, set()).add(r.text)
+    return sorted(rid for rid, seen in texts.items() if len(seen) > 1)
 
 
 def bench_main(args: argparse.Namespace) -> int:
@@ -440,7 +490,11 @@ def bench_main(args: argparse.Namespace) -> int:
             runs[f"{name}/engine"] = _run_entry(records, duration, slo, flags, None, speculation)
             records_by_config[f"{name}/engine"] = records
 
+    differ = _outputs_differ(records_by_config) if args.temperature == 0 else None
+    if differ:
+        print(f"outputs differ between configurations: requests {differ}", file=sys.stderr)
     results = {
+        "same_outputs": None if differ is None else not differ,
         "config": {
             "workload": asdict(spec),
             "seed": args.seed,

@@ -84,6 +84,8 @@ class RequestRecord:
     cancel_phase: str | None = None  # "prefill" (no token yet) or "decode"
     service_class: str | None = None  # the mix workload's, as sent
     tenant: str | None = None
+    text: str = ""  # the output, to check that configurations agree
+    cached_tokens: int | None = None  # as the server's usage reported them
 
     @property
     def ok(self) -> bool:
@@ -221,10 +223,15 @@ async def _stream(
                     rec.error = str(payload["error"])
                     return
                 rec.token_s.extend([now] * tokens_in_chunk(payload))
+                if choices := payload.get("choices"):
+                    rec.text += choices[0].get("text") or ""
                 usage = payload.get("usage") or {}
                 if usage.get("completion_tokens") is not None:
                     rec.completion_tokens = int(usage["completion_tokens"])
                     rec.prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        rec.cached_tokens = int(details["cached_tokens"])
                 if (
                     req.cancel_after_tokens is not None
                     and len(rec.token_s) >= req.cancel_after_tokens
@@ -247,16 +254,22 @@ async def run_requests(
     show_progress: bool = True,
     desc: str = "requests",
 ) -> tuple[list[RequestRecord], float]:
-    """Send each request at its arrival offset; returns records (by rid) and the duration."""
+    """Send each request at its arrival offset, or a follow-up turn its offset after the turn
+    before it ended; returns records (by rid) and the duration."""
     t0 = time.perf_counter()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(
         base_url=url.rstrip("/"), timeout=timeout_s, limits=limits
     ) as client:
         with tqdm(total=len(requests), desc=desc, unit="req", disable=not show_progress) as bar:
+            ended = {r.rid: asyncio.Event() for r in requests}
 
             async def one(req: BenchRequest) -> RequestRecord:
-                await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - t0)))
+                if req.after is None:
+                    await asyncio.sleep(max(0.0, req.arrival_s - (time.perf_counter() - t0)))
+                else:
+                    await ended[req.after].wait()
+                    await asyncio.sleep(req.arrival_s)
                 rec = await send_request(
                     client,
                     req,
@@ -267,6 +280,7 @@ async def run_requests(
                     temperature=temperature,
                 )
                 bar.update(1)
+                ended[req.rid].set()
                 return rec
 
             records = await asyncio.gather(*(one(r) for r in requests))

@@ -35,6 +35,8 @@ def run_engine(
     step that made them returns. Cancelling workloads are not supported."""
     if any(r.cancel_after_tokens is not None or r.cancel_after_s is not None for r in requests):
         raise ValueError("--engine-only does not replay client cancellations")
+    if any(r.after is not None for r in requests):
+        raise ValueError("--engine-only does not replay conversations")
     records = {
         str(r.rid): RequestRecord(
             r.rid,

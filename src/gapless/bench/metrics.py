@@ -146,6 +146,7 @@ def compute_metrics(
         )
     in_tokens = sum(r.prompt_tokens for r in started)
     out_tokens = sum(r.completion_tokens for r in live)
+    cached = [r.cached_tokens for r in started if r.cached_tokens is not None]
     dur = max(duration, 1e-9)
     m: dict[str, float | int | None] = {
         "duration_s": duration,
@@ -161,6 +162,7 @@ def compute_metrics(
         "output_throughput": out_tokens / dur,
         "total_token_throughput": (in_tokens + out_tokens) / dur,
         "goodput": None if good is None else good / dur,
+        "cached_prompt_tokens": sum(cached) if cached else None,
         **summarize(ttfts, "ttft_ms"),
         **summarize(delays, "sched_delay_ms"),
         **summarize(tpots, "tpot_ms"),
@@ -173,15 +175,22 @@ def compute_metrics(
 
 
 def _long_request_metrics(live: Sequence[RequestRecord]) -> dict[str, float | None]:
-    """For the stall workload: the long prompt's TTFT and the other streams' p99 ITL while it
-    was prefilling."""
+    """For the stall workload: the long prompt's TTFT, and the other streams' p99 ITL while it
+    was prefilling and their longest gap then over their median gap (1: no stall at all)."""
     long = next((r for r in live if r.tag == "long"), None)
     if long is None:
-        return {"long_ttft_ms": None, "long_prefill_itl_ms_p99": None}
+        return {
+            "long_ttft_ms": None,
+            "long_prefill_itl_ms_p99": None,
+            "long_prefill_gap_ratio": None,
+        }
     window = long.prefill_window
     during = _ms(g for r in live if r is not long for g in gaps_during(r.token_s, window))
+    gaps = _ms(g for r in live if r is not long for g in itls(r.token_s))
+    median = percentile(gaps, 50) if gaps else None
     first = ttft(long.send_s, long.token_s)
     return {
         "long_ttft_ms": None if first is None else first * 1000,
         "long_prefill_itl_ms_p99": percentile(during, 99) if during else None,
+        "long_prefill_gap_ratio": max(during) / median if during and median else None,
     }

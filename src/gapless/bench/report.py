@@ -26,6 +26,7 @@ TABLE_ROWS = [
     ("speculative_acceptance", "speculative acceptance (accepted/proposed)", ".3f"),
     ("total_token_throughput", "total throughput (tok/s)", ".1f"),
     ("goodput", "goodput (req/s)", ".3f"),
+    ("cached_prompt_tokens", "prompt tokens cached (usage)", "d"),
     ("ttft_ms_p50", "TTFT p50 (ms)", ".1f"),
     ("ttft_ms_p99", "TTFT p99 (ms)", ".1f"),
     ("sched_delay_ms_p50", "scheduling delay p50 (ms)", ".1f"),
@@ -38,6 +39,7 @@ TABLE_ROWS = [
     ("itl_ms_max", "max ITL, any (ms)", ".1f"),
     ("long_ttft_ms", "long prompt TTFT (ms)", ".1f"),
     ("long_prefill_itl_ms_p99", "ITL p99 during long prefill (ms)", ".1f"),
+    ("long_prefill_gap_ratio", "longest gap during long prefill / median gap", ".2f"),
 ]
 
 

@@ -36,6 +36,9 @@ class BenchRequest:
     service_class: str | None = None  # the mix workload's: its shape, and what it sends
     send_class: bool = True  # False: the request names no class (every request equal)
     tenant: str | None = None  # sends its key, tenant_key(tenant)
+    # A conversation's next turn: sent arrival_s seconds (its user's think time) after the
+    # request with this rid has finished, not at an offset from the start.
+    after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -57,9 +60,14 @@ class WorkloadSpec:
     # chat, mix: the length distributions are scaled by this, then clipped to the context
     length_scale: float = 1.0
     max_model_len: int | None = None
+    # prefix; multiturn: each conversation's document, each user turn, each reply
     prefix_tokens: int = 2000
     suffix_tokens: int = 64
-    prefix_max_tokens: int = 64
+    answer_tokens: int = 64
+    # multiturn: conversations (starting at `rate`), turns each, mean think time (s)
+    conversations: int = 20
+    turns: int = 8
+    think_s: float = 1.0
     # mix: each arrival's service class and tenant, drawn by these shares, (name, weight)
     mix: tuple[tuple[str, float], ...] = (("interactive", 0.2), ("batch", 0.8))
     tenants: tuple[tuple[str, float], ...] = ()
@@ -126,10 +134,35 @@ def prefix(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
     arrivals = _poisson_arrivals(rng, spec)
     return [
         BenchRequest(
-            i, t, shared + _ids(rng, spec.suffix_tokens, spec.vocab_size), spec.prefix_max_tokens
+            i, t, shared + _ids(rng, spec.suffix_tokens, spec.vocab_size), spec.answer_tokens
         )
         for i, t in enumerate(arrivals)
     ]
+
+
+def multiturn(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
+    """Conversations: each starts with a document of prefix_tokens and a question of
+    suffix_tokens; each next turn, sent a think time after the one before has finished,
+    is the whole conversation so far, a reply of answer_tokens, and a new question.
+    The replies in the history are drawn, not the server's (the prompts are fixed ahead),
+    so a turn's reusable prefix is the turn before's prompt. With the KV cache too small
+    for every conversation, only a tier under RAM keeps the earlier turns' prefixes."""
+    starts = np.concatenate(
+        [[0.0], np.cumsum(rng.exponential(1 / spec.rate, spec.conversations - 1))]
+    )
+    reqs: list[BenchRequest] = []
+    for start in starts.tolist():
+        history = _ids(rng, spec.prefix_tokens, spec.vocab_size)
+        before = None
+        for turn in range(spec.turns):
+            if turn:
+                history += _ids(rng, spec.answer_tokens, spec.vocab_size)  # the reply
+            history += _ids(rng, spec.suffix_tokens, spec.vocab_size)
+            wait = start if before is None else float(rng.exponential(spec.think_s))
+            rid = len(reqs)
+            reqs.append(BenchRequest(rid, wait, list(history), spec.answer_tokens, after=before))
+            before = rid
+    return reqs
 
 
 def cancel(spec: WorkloadSpec, rng: np.random.Generator) -> list[BenchRequest]:
@@ -345,6 +378,7 @@ _BUILDERS = {
     "context": context,
     "mixed": mixed,
     "prefix": prefix,
+    "multiturn": multiturn,
     "cancel": cancel,
     "chat": chat,
     "grounded": grounded,
@@ -354,7 +388,8 @@ _BUILDERS = {
 
 
 def build_workload(spec: WorkloadSpec) -> list[BenchRequest]:
-    """The request list for `spec`, sorted by arrival."""
+    """The request list for `spec`, sorted by arrival (a follow-up turn's offset counts from
+    the turn before it)."""
     if spec.name not in _BUILDERS:
         raise ValueError(f"unknown workload {spec.name!r}; choose from {', '.join(_BUILDERS)}")
     rng = np.random.default_rng(spec.seed)
