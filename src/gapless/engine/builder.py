@@ -180,17 +180,18 @@ def kv_manager(runner: ModelRunner, config: EngineConfig, model: Path | None) ->
         disk = DiskTier(
             config.kv_disk,
             int(config.kv_disk_gb * 1e9),
-            kv_disk_fingerprint(runner, model),
+            kv_disk_fingerprint(runner, config, model),
             runner.block_shapes(),
             runner.kv_cache_dtype,
         )
     return KVManager(BlockPool(runner.num_blocks, bs), windows[0], sliding, prefix_cache, disk)
 
 
-def kv_disk_fingerprint(runner: ModelRunner, model: Path) -> str:
+def kv_disk_fingerprint(runner: ModelRunner, config: EngineConfig, model: Path) -> str:
     """A digest of everything that makes a block's K/V valid for this engine: the weights and
-    tokenizer (every file of the model: a GGUF file holds both), the family, the compute and
-    KV storage types, the block size and the layer groups. Two servers of the same files and
+    tokenizer (every file of the model: a GGUF file holds both), how the weights were
+    quantized at load, the family, the compute and KV storage types, the block size and the
+    layer groups. Two servers of the same files and
     options share blocks; any difference gives another directory."""
     digest = hashlib.sha256()
     files = sorted(p for p in model.rglob("*") if p.is_file()) if model.is_dir() else [model]
@@ -201,6 +202,8 @@ def kv_disk_fingerprint(runner: ModelRunner, model: Path) -> str:
     decoder = runner.decoder
     facts = (
         decoder.config.architecture,
+        config.quantize,
+        config.quantize_group_size,
         str(decoder.dtype),
         str(runner.kv_cache_dtype),
         runner.block_size,

@@ -222,6 +222,8 @@ class Engine:
         plan = self.scheduler.schedule()
         self._propose(plan)
         if not plan.chunks and not plan.loads:
+            if self.kv.disk is not None:  # a prefix waiting on its disk reads, if any
+                self.kv.wait_for_reads([r.kv for r in self.scheduler.running], 0.01)
             return self.emitter.take_events()
         features = plan_features(plan)  # before the update moves num_computed
         self._complete(plan, self._execute(plan), features, started)

@@ -85,7 +85,9 @@ class DiskTier:
         self._bytes = 0  # of the directory, as of the last scan and this process's writes since
         self._failing: set[str] = set()  # kinds of failure logged already
         self._reads = ThreadPoolExecutor(2, thread_name_prefix="gapless-kv-disk-read")
-        self._writes = ThreadPoolExecutor(1, thread_name_prefix="gapless-kv-disk-write")
+        self._writes = ThreadPoolExecutor(
+            1, thread_name_prefix="gapless-kv-disk-write", initializer=_lowest_priority
+        )
         self._queued: set[str] = set()  # names being written by this process
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -254,6 +256,13 @@ class DiskTier:
         """Waits for the writes queued; reads in progress finish."""
         self._writes.shutdown(wait=True)
         self._reads.shutdown(wait=True)
+
+
+def _lowest_priority() -> None:
+    """The writer yields the cores to the step: a write may wait, a token should not. Linux
+    sets a thread's nice value by its id; elsewhere this does nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _crc32(data: torch.Tensor) -> int:

@@ -18,7 +18,7 @@ disk holds it already.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -172,6 +172,20 @@ class KVManager:
                 break
             n += 1
         return n
+
+    def wait_for_reads(self, seqs: list[SeqBlocks], timeout: float) -> None:
+        """Waits until a next block of one of the sequences is read (at most `timeout`
+        seconds): what a step with nothing else to do does instead of spinning, which on a
+        small machine takes the core the reader threads need."""
+        pending = [
+            read
+            for seq in seqs
+            for block in seq.loading[:1]
+            for read in block.reads.values()
+            if not read.done()
+        ]
+        if pending:
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
 
     def take_loads(
         self, seq: SeqBlocks, n: int, computed: int
