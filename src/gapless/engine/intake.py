@@ -62,7 +62,7 @@ class Intake:
         """Queues a request; it starts at the next step. Returns its id.
 
         A request for n choices is n sequences under one id, told apart by their events'
-        `index`: the first prefills the prompt, the others fork from it (Scheduler.fork).
+        `index`: the first prefills the prompt, the others fork from it (engine/forks.py).
         With images (a vision-language model's), the prompt holds one image token per image
         (Admission.check_prompt)."""
         params = params or SamplingParams()
