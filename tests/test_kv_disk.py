@@ -61,7 +61,7 @@ def prefix_kv(engine: Engine, rid_tokens: list[int]) -> list[torch.Tensor]:
 
     pool = engine.kv.pool
     blocks = [pool.lookup(h) for h in block_hashes(rid_tokens, BS)[:20]]
-    kv = [engine.runner.block_kv(0, b) for b in blocks]
+    kv = list(engine.runner.blocks_kv(0, blocks))
     pool.release(blocks)
     return kv
 

@@ -279,8 +279,13 @@ class Engine:
         outcome.finished = self.emitter.take_ended()
         self.runner.copy_blocks(self.scheduler.update(plan, outcome))
         if self.kv.disk is not None:  # the blocks the update offered to the prefix cache
+            by_group: dict[int, list[tuple[int, int]]] = {}
             for block_hash, group, block in self.kv.take_writes():
-                self.kv.disk.write(block_hash, group, self.runner.block_kv(group, block))
+                by_group.setdefault(group, []).append((block_hash, block))
+            for group, writes in by_group.items():
+                kv = self.runner.blocks_kv(group, [block for _, block in writes])
+                for (block_hash, _), block_kv in zip(writes, kv, strict=True):
+                    self.kv.disk.write(block_hash, group, block_kv)
         self._observe_step(plan, features, time.perf_counter() - started)
 
     def _propose(self, plan: StepPlan) -> None:
@@ -300,7 +305,8 @@ class Engine:
         for load in plan.loads:
             request = load.request
             loads = self.kv.take_loads(request.kv, load.num_blocks, request.num_computed)
-            self.runner.load_blocks(loads)
+            for group, (blocks, kvs) in loads.items():
+                self.runner.load_blocks(group, blocks, torch.stack(kvs))
         encoded = []
         for chunk in plan.chunks:
             try:

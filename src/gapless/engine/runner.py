@@ -203,22 +203,28 @@ class ModelRunner:
                 keys[dst] = keys[src]
                 values[dst] = values[src]
 
-    def block_kv(self, group: int, block: int) -> torch.Tensor:
-        """A copy of one block's K/V in one KV group, [layers, 2, block_size, kv_heads, row]:
-        what the disk tier stores (kv/disk.py)."""
+    def blocks_kv(self, group: int, blocks: list[int]) -> torch.Tensor:
+        """A copy of some blocks' K/V in one KV group, [blocks, layers, 2, block_size,
+        kv_heads, row]: what the disk tier stores, a block each (kv/disk.py). One gather per
+        layer, not per block: a long prompt's blocks are copied out in the step that
+        completes it."""
+        index = torch.tensor(blocks, device=self.decoder.device)
         layers = [self.layer_caches[layer] for layer in self.groups.layers[group]]
-        return torch.stack([torch.stack((k[block], v[block])) for k, v in layers]).cpu()
+        kv = torch.stack([torch.stack((k[index], v[index]), 1) for k, v in layers], 1)
+        return kv.cpu()
 
-    def load_blocks(self, loads: list[tuple[int, int, torch.Tensor]]) -> None:
-        """Writes K/V that block_kv gave into the cache: (group, block, K/V) each."""
-        for group, block, kv in loads:
-            for layer, (k, v) in zip(self.groups.layers[group], kv, strict=True):
-                keys, values = self.layer_caches[layer]
-                keys[block] = k
-                values[block] = v
+    def load_blocks(self, group: int, blocks: list[int], kv: torch.Tensor) -> None:
+        """Writes K/V that blocks_kv gave (stacked) into these blocks of one KV group, a
+        scatter per layer."""
+        index = torch.tensor(blocks, device=self.decoder.device)
+        kv = kv.to(self.decoder.device)
+        for i, layer in enumerate(self.groups.layers[group]):
+            keys, values = self.layer_caches[layer]
+            keys[index] = kv[:, i, 0]
+            values[index] = kv[:, i, 1]
 
     def block_shapes(self) -> list[tuple[int, ...]]:
-        """Each KV group's block_kv shape."""
+        """Each KV group's shape of one block in blocks_kv."""
         keys = [self.layer_caches[layers[0]][0] for layers in self.groups.layers]
         return [
             (len(layers), 2, *k.shape[1:])

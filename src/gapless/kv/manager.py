@@ -189,14 +189,16 @@ class KVManager:
 
     def take_loads(
         self, seq: SeqBlocks, n: int, computed: int
-    ) -> list[tuple[int, int, torch.Tensor]]:
-        """The next n blocks' K/V, read, as (group, block, K/V) for the blocks reserved for
-        them after the `computed` tokens; they leave the sequence's loading."""
+    ) -> dict[int, tuple[list[int], list[torch.Tensor]]]:
+        """The next n blocks' K/V, read, by KV group: the blocks reserved for them after the
+        `computed` tokens and each one's K/V. They leave the sequence's loading."""
         first = computed // self.block_size
-        loads = []
+        loads: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
         for i, block in enumerate(seq.loading[:n]):
             for g, read in block.reads.items():
-                loads.append((g, seq.tables[g][first + i], read.result()))
+                blocks, kvs = loads.setdefault(g, ([], []))
+                blocks.append(seq.tables[g][first + i])
+                kvs.append(read.result())
         del seq.loading[:n]
         return loads
 
