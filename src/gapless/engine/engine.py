@@ -279,10 +279,7 @@ class Engine:
         outcome.finished = self.emitter.take_ended()
         self.runner.copy_blocks(self.scheduler.update(plan, outcome))
         if self.kv.disk is not None:  # the blocks the update offered to the prefix cache
-            by_group: dict[int, list[tuple[int, int]]] = {}
-            for block_hash, group, block in self.kv.take_writes():
-                by_group.setdefault(group, []).append((block_hash, block))
-            for group, writes in by_group.items():
+            for group, writes in self.kv.take_writes().items():
                 kv = self.runner.blocks_kv(group, [block for _, block in writes])
                 for (block_hash, _), block_kv in zip(writes, kv, strict=True):
                     self.kv.disk.write(block_hash, group, block_kv)

@@ -17,6 +17,7 @@ disk holds it already.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -132,8 +133,11 @@ class KVManager:
         them."""
         assert self.disk is not None
         bs, disk = self.block_size, self.disk
+        # Each file is looked up once: cutting the prefix back below asks again for the
+        # blocks before the cut, and each lookup is a stat on the step thread.
+        holds = functools.cache(lambda i, g: disk.holds(prefix[i], g))
         n = start
-        while n < len(prefix) and disk.holds(prefix[n], 0):
+        while n < len(prefix) and holds(n, 0):
             n += 1
         disk.missed(len(prefix) - n)
 
@@ -143,7 +147,7 @@ class KVManager:
             return [tuple(g for g, f in enumerate(firsts) if i >= f) for i in range(start, end)]
 
         while n > start and not all(
-            disk.holds(prefix[i], g) for i, groups in enumerate(needs(n), start) for g in groups
+            holds(i, g) for i, groups in enumerate(needs(n), start) for g in groups
         ):
             n -= 1
         return [DiskBlock(prefix[i], g) for i, g in enumerate(needs(n), start)]
@@ -208,10 +212,14 @@ class KVManager:
                 read.cancel()
         del seq.loading[keep:]
 
-    def take_writes(self) -> list[tuple[int, int, int]]:
-        """The (hash, group, block) offered to the cache since the last call that the disk
-        lacks: the caller copies each block's K/V out before the block can be reused."""
-        writes, self._writes = self._writes, []
+    def take_writes(self) -> dict[int, list[tuple[int, int]]]:
+        """The blocks offered to the cache since the last call that the disk lacks, by KV
+        group, as (hash, block): the caller copies their K/V out (a gather per group) before
+        a block can be reused."""
+        writes: dict[int, list[tuple[int, int]]] = {}
+        for block_hash, group, block in self._writes:
+            writes.setdefault(group, []).append((block_hash, block))
+        self._writes = []
         return writes
 
     def _reusable(self, hashes: list[int]) -> int:
