@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 from helpers import load_script, require_our_kernels
+from test_model import hf_model, prompt
 
-from gapless import Engine, EngineConfig
+from gapless import LLM, Engine, EngineConfig, SamplingParams
 from gapless import kernels as kernels_module
 from gapless.engine import builder
 from gapless.engine.runner import ModelRunner
@@ -66,6 +67,59 @@ def test_auto_is_float16_where_the_cpu_converts_it_else_the_attention_dtype(monk
         plain.kv_cache_dtype("int8", 48)
     with pytest.raises(ValueError, match="kv_cache_dtype must be"):
         EngineConfig.of(kv_cache_dtype="int4")
+
+
+def test_auto_keeps_a_checkpoints_own_dtype_and_caches_in_it(monkeypatch):
+    # A CPU with fast bf16: the fast pick for GGUF files and --quantize, not for checkpoints.
+    monkeypatch.setattr(kernels_module, "_fast_cpu_half", lambda dtype: True)
+    assert kernels_module.resolve_dtype("auto", CPU) == torch.bfloat16
+    assert kernels_module.resolve_dtype("auto", CPU, stored=torch.float32) == torch.float32
+    assert kernels_module.resolve_dtype("auto", CPU, stored=torch.bfloat16) == torch.bfloat16
+    assert kernels_module.resolve_dtype("auto", CPU, stored=torch.float16) == torch.float32
+    cuda = torch.device("cuda")
+    assert kernels_module.resolve_dtype("auto", cuda, stored=torch.float16) == torch.float16
+    # and one without: a bf16 checkpoint's exact upcast
+    monkeypatch.setattr(kernels_module, "_fast_cpu_half", lambda dtype: False)
+    assert kernels_module.resolve_dtype("auto", CPU, stored=torch.bfloat16) == torch.float32
+    zen2 = Machine("Zen 2", ("f16c", "avx2"), "AVX2", None)
+    monkeypatch.setattr(kernels_module, "machine", lambda: zen2)
+    exact = Kernels(CPU, torch.float32, False, False, exact_kv=True)
+    assert exact.kv_cache_dtype("auto", 64) == torch.float32  # not F16C's float16
+
+
+@pytest.fixture(params=["auto", "avx2"])
+def kernels_level(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """This CPU as it is (bf16 where it has it), and as one with AVX2 only."""
+    monkeypatch.setenv("GAPLESS_KERNELS", request.param)
+    machine.cache_clear()
+    yield request.param
+    machine.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "arch, split",
+    [
+        ("llama", {}),
+        ("mistral", {}),
+        ("qwen2", {}),
+        ("llama", {"tensor_parallel_size": 2}),
+        ("qwen2", {"pipeline_parallel_size": 2}),
+    ],
+)
+def test_a_float32_checkpoint_under_default_flags_is_transformers_float32(
+    checkpoint, kernels_level, arch, split
+):
+    path, ids = checkpoint(arch), prompt(60, seed=5)
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([ids])).logits[0].log_softmax(-1)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1, ignore_eos=True)
+    with LLM(path, **split) as llm:  # every flag at its default
+        out = llm.generate([ids], params)[0]
+    diff = max(
+        abs(out.prompt_logprobs[pos][1] - ref[pos - 1, ids[pos]].item())
+        for pos in range(1, len(ids))
+    )
+    assert diff < 1e-4  # the project's float32 bound (test_families.py)
 
 
 def test_this_machine_reports_f16c():

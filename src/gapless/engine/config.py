@@ -32,8 +32,9 @@ class EngineConfig:
 
     dtype: str = option(
         "auto",
-        "auto: bfloat16 on CUDA and bf16-capable CPUs, else float32 (and for quantized "
-        "weights on CPU)",
+        "auto: a checkpoint's own dtype (config.json's torch_dtype) where the device is fast "
+        "in it, else float32 on CPUs (bfloat16 on CUDA); for GGUF files and --quantize, "
+        "bfloat16 on CUDA, float32 on CPUs",
         choices=("auto", *DTYPES),
     )
     device: str = option("auto", "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
@@ -65,8 +66,9 @@ class EngineConfig:
     kv_cache_dtype: str = option(
         "auto",
         "the KV cache's storage type, whatever attention computes in: int8 keeps q8_0's 34 "
-        "bytes per 32 values (a head size that is a multiple of 32); auto: float16 on CPUs "
-        "with F16C, bfloat16 where attention runs in it (CUDA, bf16 CPUs), else float32",
+        "bytes per 32 values (a head size that is a multiple of 32); auto: a checkpoint's "
+        "run dtype (exact); for GGUF files and --quantize bfloat16 where attention runs in "
+        "it, else float16 on CPUs with F16C, else float32",
         choices=("auto", *KV_CACHE_DTYPES),
     )
     kv_disk: str | None = option(

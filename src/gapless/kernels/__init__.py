@@ -98,6 +98,11 @@ class Kernels:
     # beside its blocks, instead of dequantizing the blocks every step (BlockLinear): the
     # loader sets it where the copies fit (model/gguf.py).
     gguf_prompt_copies: bool = False
+    # --kv-cache-dtype auto keeps the KV cache in the run dtype (vLLM's rule): a safetensors
+    # checkpoint's weights run as stored, and a narrower cache would round what they compute
+    # (a float32 Llama's prompt logprobs moved 1.2e-3 on a bf16 cache). GGUF files and
+    # --quantize keep the fast pick: their weights are rounded already.
+    exact_kv: bool = False
 
     @property
     def attention_dtype(self) -> torch.dtype:
@@ -107,12 +112,13 @@ class Kernels:
 
     def kv_cache_dtype(self, name: str, head_dim: int) -> torch.dtype:
         """The KV cache's storage type for --kv-cache-dtype `name` and a model of this head
-        size. auto is the smallest that kept the default model's greedy answers: the
-        attention dtype on CUDA, and where it is bfloat16 already; float16 on CPUs that
-        convert it in hardware (F16C); else float32."""
+        size. auto is the attention dtype where exact_kv says so, on CUDA, and where it is
+        bfloat16 already; else (quantized float32 runs) the smallest that kept the default
+        model's greedy answers: float16 on CPUs that convert it in hardware (F16C), else
+        float32."""
         if name == "auto":
             narrow = self.device.type == "cuda" or self.attention_dtype == torch.bfloat16
-            if narrow or "f16c" not in machine().cpu_isa:
+            if self.exact_kv or narrow or "f16c" not in machine().cpu_isa:
                 return self.attention_dtype
             return torch.float16
         if name not in KV_CACHE_DTYPES:
@@ -225,7 +231,11 @@ class Kernels:
             quant += ", GGUF prompt chunks on dense copies"
         if self.attention_dtype != self.dtype:
             decode += f", {_name(self.attention_dtype)} attention"
-        return f"kernels: {where}, {dtype} {linear} linear, {attn} attention, {decode}, {quant}"
+        kv = "the run dtype, as a checkpoint's" if self.exact_kv else "the fast pick"
+        return (
+            f"kernels: {where}, {dtype} {linear} linear, {attn} attention, {decode}, {quant};"
+            f" KV cache auto: {kv}"
+        )
 
 
 # With AMX, GGUF linears keep batches of up to 32 rows on the block kernels: oneDNN's bf16
@@ -275,9 +285,11 @@ def _fast_cpu_half(dtype: torch.dtype) -> bool:
     return machine().fast_cpu_bf16 and packed_linear_works(dtype)
 
 
-def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) -> Kernels:
+def select(
+    device: torch.device, dtype: torch.dtype, quantized: bool = False, exact_kv: bool = False
+) -> Kernels:
     """The fastest kernels the probe finds working for this device and dtype, for a model
-    with quantized weights or not; logs them."""
+    with quantized weights or not (exact_kv: Kernels'); logs them."""
     fallback = _forced_fallback()
     cpu = device.type == "cpu" and not fallback
     fast_bf16 = cpu and quantized and dtype == torch.float32 and _fast_cpu_half(torch.bfloat16)
@@ -298,6 +310,7 @@ def select(device: torch.device, dtype: torch.dtype, quantized: bool = False) ->
         int8_dtype=None if fallback else _int_kernel_dtype(int8_mm_works, device, dtype),
         int4_dtype=None if fallback else _int_kernel_dtype(int4_mm_works, device, dtype),
         reduced_dtype=reduced,
+        exact_kv=exact_kv,
     )
     log.info(kernels.describe())
     if device.type == "cpu" and dtype != torch.float32 and not _fast_cpu_half(dtype):
@@ -321,9 +334,16 @@ def _int_kernel_dtype(
     return None
 
 
-def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> torch.dtype:
-    """`auto` is bfloat16 on CUDA, and on CPUs with AMX/AVX512-BF16 where the packed bf16
-    linear works; float32 elsewhere, and for quantized weights on every CPU.
+def resolve_dtype(
+    name: str, device: torch.device, quantized: bool = False, stored: torch.dtype | None = None
+) -> torch.dtype:
+    """`auto` for a safetensors checkpoint (`stored`: its own dtype, config.json's
+    torch_dtype) is that dtype wherever this device computes in it fast, so that a float32
+    checkpoint matches transformers by default: on CPUs, bfloat16 where it is fast
+    (AMX/AVX512-BF16), else float32, and float16 checkpoints float32 (both exact upcasts); on
+    CUDA, float32 checkpoints bfloat16. Without `stored` (GGUF files, --quantize): bfloat16
+    on CUDA, and on CPUs with AMX/AVX512-BF16 where the packed bf16 linear works; float32
+    elsewhere, and for quantized weights on every CPU.
 
     Quantized weights already round activations to bfloat16 where that is fast (the int
     kernels), so their float32 runs compute in bf16 wherever it costs little accuracy: the
@@ -333,11 +353,14 @@ def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> t
     Marseillaise, ...", float32 "Paris").
     """
     if name == "auto":
+        half = (torch.bfloat16, torch.float16)
         if device.type == "cuda":
-            return torch.bfloat16
+            return stored if stored in half else torch.bfloat16
         if quantized:
             return torch.float32
         fast = _fast_cpu_half(torch.bfloat16) and not _forced_fallback()
+        if stored is not None:
+            return torch.bfloat16 if fast and stored == torch.bfloat16 else torch.float32
         return torch.bfloat16 if fast else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")

@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from gapless.kernels import Kernels, resolve_dtype, select
+from gapless.kernels import DTYPES, Kernels, resolve_dtype, select
 from gapless.kernels.quant import GroupQuant
 from gapless.model.config import ModelConfig
 from gapless.model.decoder import Decoder
@@ -137,11 +137,17 @@ def load_decoder(
     cfg = read_config_json(path)
     dev = torch.device(device)
     quantized = quantize is not None
-    dt = resolve_dtype(dtype, dev, quantized)
-    kernels = select(dev, dt, quantized)
+    dt = resolve_dtype(dtype, dev, quantized, None if quantized else stored_dtype(cfg.torch_dtype))
+    kernels = select(dev, dt, quantized, exact_kv=not quantized)
     weights = load_weights(path, cfg, dt, dev, stage.keeps if stage is not None else None)
     quantize_fn = quantizer(quantize, group_size, kernels.gguf_blocks)
     return build_decoder(cfg, weights, kernels, quantize_fn, parallel, stage)
+
+
+def stored_dtype(torch_dtype: str | None) -> torch.dtype:
+    """A checkpoint's own dtype from its config.json's torch_dtype: float32 where it names
+    none (or one we do not run), as transformers loads it then."""
+    return DTYPES.get(torch_dtype or "float32", torch.float32)
 
 
 def build_decoder(

@@ -42,6 +42,7 @@ from gapless.model.loader import (
     build_decoder,
     expected_shapes,
     read_weights,
+    stored_dtype,
 )
 
 VISION_FAMILIES: tuple[ModuleType, ...] = (llava, gemma3_vision, qwen2_5_vl)
@@ -139,7 +140,9 @@ def load_vision_language(
     cfg = model_config(family.text_config(raw))
     vcfg = family.config(raw, cfg.hidden_size)
     dev = torch.device(device)
-    kernels = select(dev, resolve_dtype(dtype, dev, False), False)
+    # A vision-language config may keep its dtype at the top, outside its text config.
+    stored = stored_dtype(cfg.torch_dtype or raw.get("torch_dtype") or raw.get("dtype"))
+    kernels = select(dev, resolve_dtype(dtype, dev, False, stored), False, exact_kv=True)
     text_shapes = expected_shapes(cfg)
     shapes = text_shapes | family.tensor_shapes(vcfg)
     weights = read_weights(path, shapes, cfg.tie_word_embeddings, kernels.dtype, dev, rename)
