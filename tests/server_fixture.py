@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,14 +64,16 @@ def running_server(
     settings: ServerSettings | None = None,
     send_buffer: int | None = None,
     tenants: Tenants | None = None,
+    warming: Future | None = None,
     **engine_fields: Any,
 ) -> Iterator[RunningServer]:
     """send_buffer: SO_SNDBUF of the listening socket, which its connections inherit (the
-    kernel's own buffers then fill sooner for a client that does not read)."""
+    kernel's own buffers then fill sooner for a client that does not read); warming: as
+    GaplessServer's, /health is 503 until it is done."""
     fields = {"dtype": "float32", "device": "cpu", **engine_fields}
     engine = Engine.from_pretrained(model_dir, EngineConfig.of(**fields))
     settings = settings or ServerSettings(MODEL)
-    server = GaplessServer(engine, settings, log_level="warning", tenants=tenants)
+    server = GaplessServer(engine, settings, log_level="warning", tenants=tenants, warming=warming)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     if send_buffer is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
@@ -81,7 +84,8 @@ def running_server(
     thread.start()
     running = RunningServer(f"http://127.0.0.1:{port}", server, thread)
     try:
-        assert httpx.get(f"{running.url}/health", timeout=60).status_code == 200
+        ready = warming is None or warming.done()
+        assert httpx.get(f"{running.url}/health", timeout=60).status_code == (200 if ready else 503)
         yield running
     finally:
         server.shutdown()

@@ -214,9 +214,14 @@ def test_the_draft_runs_its_largest_step_before_serving_and_keeps_no_trace(check
     target = checkpoint("llama")
     fresh = engine_of(target, speculate="draft", draft_model=str(target), kv_cache_tokens=256)
     engine = engine_of(target, speculate="draft", draft_model=str(target), kv_cache_tokens=256)
-    forwards = draft_forwards(engine)
+    decoder, steps = engine.draft.runner.decoder, []
+    run_layers = decoder.run_layers
+    decoder.run_layers = lambda batch, *rest: (
+        steps.append(len(batch.token_ids)),
+        run_layers(batch, *rest),
+    )
     engine.reserve_peak_memory()
-    assert forwards == [[engine.scheduler.max_step_tokens]]
+    assert steps == [engine.scheduler.max_step_tokens]
     assert all(not k.any() and not v.any() for k, v in engine.draft.runner.kv_cache)
     assert tokens_of(engine, greedy(16))[0] == tokens_of(fresh, greedy(16))[0]
 

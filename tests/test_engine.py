@@ -473,6 +473,29 @@ def test_the_largest_step_run_before_serving_leaves_no_trace(make_engine):
     assert tokens(run(reserved)["r"]) == tokens(run(fresh)["r"])
 
 
+@pytest.mark.parametrize(
+    "arch, kinds",
+    [
+        ("llama", [0]),  # one kind of layer
+        ("gemma3", [0, 5]),  # a sliding layer, then the first global one
+        ("qwen3_moe", [0, 1]),  # a sparse layer, then the dense one (mlp_only_layers)
+    ],
+)
+def test_the_largest_step_runs_one_layer_of_each_kind(make_engine, arch, kinds, monkeypatch):
+    # Layers free what they allocate: one of each kind (window, MLP) reaches the whole step's
+    # high-water mark at a fraction of its time.
+    engine = make_engine(arch, kv_cache_tokens=256, idle_prefill_chunk=64)
+    ran: list[list[int]] = []
+    run_layers = engine.runner.decoder.run_layers
+    monkeypatch.setattr(
+        engine.runner.decoder,
+        "run_layers",
+        lambda batch, cache, which: (ran.append(which), run_layers(batch, cache, which)),
+    )
+    engine.reserve_peak_memory()
+    assert ran == [kinds]
+
+
 def test_choices_forked_in_one_step_stay_within_the_sequence_cap(make_engine):
     """Two requests for 3 choices whose prompts complete in the same step: their forks
     together start no more sequences than max_num_seqs; the rest wait, and every choice still

@@ -89,6 +89,17 @@ def _port(server: ServerProcess) -> int:
     return int(server.wait_for_line(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")[1])
 
 
+def test_health_says_ok_only_after_the_start_up_step(demo_server: ServerProcess) -> None:
+    url = f"http://127.0.0.1:{_port(demo_server)}"
+    while (health := httpx.get(f"{url}/health", timeout=30)).status_code == 503:
+        assert health.json() == {"status": "loading"}
+        time.sleep(0.01)
+    assert health.status_code == 200
+    # logged on the engine thread before the step's future is done (maybe before the port)
+    if not any("start-up largest step done" in line for line in demo_server.log):
+        demo_server.wait_for_line(r"start-up largest step done", timeout=5)
+
+
 def test_demo_model_then_sigterm(demo_server: ServerProcess) -> None:
     announced = demo_server.wait_for_line(r"no MODEL given")
     assert DEMO_MODEL_NAME in announced.string

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import httpx
@@ -113,3 +114,18 @@ def test_shutdown_lets_streams_finish_and_refuses_new_work(llama_dir: Path) -> N
         assert len(sse.token_chunks) == 600
         srv.thread.join(timeout=30)
         assert not srv.thread.is_alive()
+
+
+def test_health_is_503_loading_until_the_start_up_step_is_done(llama_dir: Path) -> None:
+    warming: Future = Future()  # the start-up step, still running
+    with running_server(llama_dir, warming=warming, kv_cache_tokens=2048) as srv:
+        health = httpx.get(f"{srv.url}/health")
+        assert (health.status_code, health.json()) == (503, {"status": "loading"})
+        assert health.headers["retry-after"] == "1"
+        # A request that comes anyway is served: it queues on the engine thread behind the
+        # step, it is not refused.
+        body = {"prompt": "hi", "max_tokens": 2, "ignore_eos": True}
+        done = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert done.json()["usage"]["completion_tokens"] == 2
+        warming.set_result(None)
+        assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}

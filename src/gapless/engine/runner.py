@@ -173,9 +173,20 @@ class ModelRunner:
             + list(range(-(-context // bs) - first))
             for window in self.groups.windows[: 1 + len(self.window_blocks)]
         ]
-        self.run(
-            [ChunkInput([0] * num_tokens, start, table, False, window_tables=(*window_tables,))]
-        )
+        inputs = [
+            ChunkInput([0] * num_tokens, start, table, False, window_tables=(*window_tables,))
+        ]
+        if self.decoder.ranks is None:
+            # One layer of each kind (window, and dense or sparse MLP) is enough: layers run
+            # one after another and free what they allocate, so one reaches the step's
+            # high-water mark. The whole step held the default model's first answer for 9.3 s
+            # on 2 Zen 4 cores.
+            decoder = self.decoder
+            kinds = zip(decoder.config.layer_windows, map(type, decoder.layers), strict=True)
+            first = {kind: i for i, kind in reversed(list(enumerate(kinds)))}
+            decoder.run_layers(self._build(inputs), self.kv_cache, sorted(first.values()))
+        else:  # every rank takes the whole step
+            self.run(inputs)
         if self._kv_memory:  # back to untouched zero pages, resident no more
             for memory in self._kv_memory:
                 memory.madvise(mmap.MADV_DONTNEED)

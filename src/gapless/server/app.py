@@ -13,7 +13,7 @@ import signal
 import socket
 import threading
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +103,10 @@ def build_app(state: ServerState) -> Starlette:
             return JSONResponse({"status": "failed"}, 503)
         if state.draining:
             return JSONResponse({"status": "draining"}, 503)
+        if state.warming is not None and not state.warming.done():
+            # Requests queue meanwhile, but would wait behind the step: a readiness probe
+            # should send them elsewhere (llama-server answers 503 "Loading model" too).
+            return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok"})
 
     async def metrics(request: Request) -> Response:
@@ -184,10 +188,12 @@ class GaplessServer:
         log_level: str = "info",
         engine_thread: ThreadPoolExecutor | None = None,
         tenants: Tenants | None = None,
+        warming: Future | None = None,
     ) -> None:
         """engine_thread: the thread the engine was loaded on (async_engine.engine_thread);
-        tenants: --api-keys' (read before the model loads, so a bad file stops the start)."""
-        self.state = ServerState(engine, settings, engine_thread, tenants)
+        tenants: --api-keys' (read before the model loads, so a bad file stops the start);
+        warming: the start-up step's, queued on that thread (/health is 503 until it is done)."""
+        self.state = ServerState(engine, settings, engine_thread, tenants, warming)
         self.app = build_app(self.state)
         config = uvicorn.Config(
             self.app,

@@ -131,10 +131,10 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         log.error("cannot load %s: %s", model_dir, e)
         return 2
-    # The largest step runs on the engine thread while the port opens: it took ~13 s of the
-    # default model's start on 2 Zen 3 cores. Requests that come meanwhile queue, and the
-    # engine steps them once it is done (the thread runs its work in order).
-    thread.submit(_reserve_peak_memory, engine)
+    # The largest step runs on the engine thread while the port opens. Requests that come
+    # meanwhile queue, and the engine steps them once it is done (the thread runs its work in
+    # order); /health says 503 until then.
+    warming = thread.submit(_reserve_peak_memory, engine)
     log.info(
         "serving %r from %s: context %d tokens, %d KV blocks of %d tokens in %s",
         name,
@@ -144,7 +144,9 @@ def _serve(args: argparse.Namespace) -> int:
         engine.kv.pool.block_size,
         kv_cache_name(engine.runner.kv_cache_dtype),
     )
-    server = GaplessServer(engine, settings, args.host, args.port, args.log_level, thread, tenants)
+    server = GaplessServer(
+        engine, settings, args.host, args.port, args.log_level, thread, tenants, warming
+    )
     return server.run()
 
 

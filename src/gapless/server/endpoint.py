@@ -18,7 +18,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
@@ -58,9 +58,12 @@ class ServerState:
         settings: ServerSettings,
         thread: ThreadPoolExecutor | None = None,
         tenants: Tenants | None = None,
+        warming: Future | None = None,
     ) -> None:
-        """tenants: --api-keys' (then every API request needs one of its keys)."""
+        """tenants: --api-keys' (then every API request needs one of its keys); warming: the
+        start-up step's (GaplessServer's)."""
         self.engine = engine
+        self.warming = warming
         self.tenants = tenants
         self.async_engine = AsyncEngine(engine, thread)
         self.settings = settings
