@@ -303,7 +303,7 @@ class Engine:
             request = load.request
             loads = self.kv.take_loads(request.kv, load.num_blocks, request.num_computed)
             for group, (blocks, kvs) in loads.items():
-                self.runner.load_blocks(group, blocks, torch.stack(kvs))
+                self.runner.load_blocks(group, blocks, kvs)
         encoded = []
         for chunk in plan.chunks:
             try:

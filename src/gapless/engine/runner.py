@@ -224,15 +224,15 @@ class ModelRunner:
         kv = torch.stack([torch.stack((k[index], v[index]), 1) for k, v in layers], 1)
         return kv.cpu()
 
-    def load_blocks(self, group: int, blocks: list[int], kv: torch.Tensor) -> None:
-        """Writes K/V that blocks_kv gave (stacked) into these blocks of one KV group, a
-        scatter per layer."""
+    def load_blocks(self, group: int, blocks: list[int], kvs: list[torch.Tensor]) -> None:
+        """Writes K/V that blocks_kv gave, one tensor per block, into these blocks of one KV
+        group: stacked layer-major, so that each layer's scatter copies contiguous rows."""
         index = torch.tensor(blocks, device=self.decoder.device)
-        kv = kv.to(self.decoder.device)
+        kv = torch.stack(kvs, 2).to(self.decoder.device)  # [layers, 2, blocks, ...]
         for i, layer in enumerate(self.groups.layers[group]):
             keys, values = self.layer_caches[layer]
-            keys[index] = kv[:, i, 0]
-            values[index] = kv[:, i, 1]
+            keys.index_copy_(0, index, kv[i, 0])
+            values.index_copy_(0, index, kv[i, 1])
 
     def block_shapes(self) -> list[tuple[int, ...]]:
         """Each KV group's shape of one block in blocks_kv."""
