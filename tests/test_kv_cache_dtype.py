@@ -385,5 +385,5 @@ def test_each_type_keeps_the_float32_caches_answers_but_at_near_ties(measured):
     step. Past the parting nothing is compared: each answer then goes on from its own text,
     so its later tokens differ from float32's whatever the cache type does."""
     for kv, parted in measured.partings.items():
-        for prompt, parting in parted.items():
-            assert parting.margin < NEAR_TIE, (kv, ACCURACY.PROMPTS[prompt], parting)
+        for name, parting in parted.items():
+            assert parting.margin < NEAR_TIE, (kv, ACCURACY.PROMPTS[name], parting)
