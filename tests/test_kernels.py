@@ -209,13 +209,15 @@ def test_history_in_scattered_blocks_is_attended_in_place(checkpoint, max_runs, 
 
 
 def cache_of(values: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """values [..., D] float32 as a KV cache of cache_dtype (uint8: int8 rows)."""
-    return kv_format.quantize_q8(values) if cache_dtype == torch.uint8 else values.to(cache_dtype)
+    """values [..., D] float32 as a KV cache of cache_dtype (kv_format's storage types)."""
+    if kv_format.is_int8_rows(cache_dtype):
+        return kv_format.quantize_q8(values)
+    return values.to(cache_dtype)
 
 
 def values_of(cache: torch.Tensor) -> torch.Tensor:
     """What a KV cache holds, as float32."""
-    return kv_format.dequantize_q8(cache) if cache.dtype == torch.uint8 else cache.float()
+    return kv_format.dequantize_q8(cache) if kv_format.is_int8_rows(cache.dtype) else cache.float()
 
 
 def check_paged_kernel(
@@ -437,7 +439,7 @@ def require_paged_prefill(cache_dtype=torch.bfloat16) -> None:
 
 
 QUERY_DTYPES = [torch.float32, torch.bfloat16]
-CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]  # uint8: int8 rows
+CACHE_DTYPES = kv_format.STORAGE_TYPES
 
 
 @pytest.mark.parametrize("query_dtype", QUERY_DTYPES, ids=str)
@@ -449,7 +451,7 @@ CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]  # ui
 def test_paged_decode_kernel_matches_attention_over_gathered_keys(
     paged_build, query_dtype, cache_dtype, heads, kv_heads, dim, window
 ):
-    if cache_dtype == torch.uint8 and dim % 32:
+    if kv_format.is_int8_rows(cache_dtype) and dim % kv_format.Q8_GROUP:
         pytest.skip("an int8 cache needs a head size that is a multiple of 32")
     check_paged_kernel(query_dtype, cache_dtype, heads, kv_heads, dim, window, 1, 16)
 
@@ -554,7 +556,7 @@ def test_write_kv_stores_new_keys_as_the_cache_holds_them(path, dtype, cache_dty
         assert torch.equal(cache, want)
         held = (
             kv_format.dequantize_q8(want.flatten(0, 1)[slots], x.dtype)
-            if cache_dtype == torch.uint8
+            if kv_format.is_int8_rows(cache_dtype)
             else None
         )
         assert torch.equal(got, x.to(cache_dtype) if held is None else held)

@@ -35,7 +35,7 @@ from gapless.kernels import (
     paged,
 )
 from gapless.kernels.extensions import GGUF_BLOCKS, LEVELS, PACKAGE, PAGED_ATTENTION
-from gapless.kernels.kv_format import dequantize_q8, quantize_q8
+from gapless.kernels.kv_format import INT8_ROWS, dequantize_q8, quantize_q8
 from gapless.kernels.machine import Machine, machine
 from gapless.kernels.plans import GatheredPlan, InPlacePlan, PagedPlan
 from gapless.kernels.step_ops import write_kv
@@ -61,7 +61,7 @@ def test_auto_is_float16_where_the_cpu_converts_it_else_the_attention_dtype(monk
     assert cuda.kv_cache_dtype("auto", 64) == torch.bfloat16
     monkeypatch.setattr(kernels_module, "machine", lambda: Machine("old", (), "DEFAULT", None))
     assert plain.kv_cache_dtype("auto", 64) == torch.float32
-    assert plain.kv_cache_dtype("int8", 64) == torch.uint8
+    assert plain.kv_cache_dtype("int8", 64) == INT8_ROWS
     assert plain.kv_cache_dtype("bfloat16", 64) == torch.bfloat16
     with pytest.raises(ValueError, match="multiple of 32; this model's is 48"):
         plain.kv_cache_dtype("int8", 48)
@@ -157,7 +157,7 @@ def test_kv_memory_holds_as_many_tokens_as_the_types_bytes_allow(checkpoint, kv,
 def test_write_kv_stores_int8_rows_as_kv_format_defines_them():
     gen = torch.Generator().manual_seed(0)
     k, v = (torch.randn(3, 2, 64, generator=gen) for _ in range(2))
-    k_cache, v_cache = (torch.zeros(4, 16, 2, 68, dtype=torch.uint8) for _ in range(2))
+    k_cache, v_cache = (torch.zeros(4, 16, 2, 68, dtype=INT8_ROWS) for _ in range(2))
     slots = torch.tensor([5, 0, 33])
     got_k, got_v = write_kv(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache.flatten(0, 1)[slots], quantize_q8(k))

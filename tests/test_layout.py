@@ -79,11 +79,22 @@ def test_the_runner_imports_nothing_of_the_schedulers():
     assert "gapless.engine.scheduler" not in reached
 
 
+# The rooms the scheduler plans and books with (README, "Where things live").
+SCHEDULING_ROOMS = ("policy", "forks", "disk_loads", "proposals", "image_chunks", "in_flight")
+
+
+def test_the_scheduler_imports_its_rooms_and_no_room_imports_the_scheduler():
+    graph = import_graph()
+    rooms = {f"gapless.engine.{name}" for name in SCHEDULING_ROOMS}
+    assert rooms <= graph["gapless.engine.scheduler"]
+    assert [room for room in rooms if "gapless.engine.scheduler" in graph[room]] == []
+
+
 def test_the_scheduling_rooms_touch_no_block_table_or_pool():
     """The KV manager (kv/manager.py) owns the blocks: the scheduler and the rooms it plans
     with ask it, and never read a pool, a block table or a block's hash themselves."""
     kv_state = {"pool", "tables", "block_table", "window_tables", "hashes", "registered"}
-    for name in ("scheduler", "policy", "forks", "proposals", "image_chunks", "in_flight"):
+    for name in ("scheduler", *SCHEDULING_ROOMS):
         module = f"gapless.engine.{name}"
         assert "gapless.kv.block_pool" not in import_graph()[module]
         tree = ast.parse(modules()[module].read_text())

@@ -28,13 +28,15 @@ Each step is one hybrid batch:
 4. What the prompts leave of the budget goes to speculation (proposals.py).
 A request marked whole_prefill (submit(), or chunking off) takes its whole prompt at once.
 A request for n choices prefills its prompt once; the other n - 1 then fork from it
-(forks.py).
+(forks.py). A prompt admitted on a prefix the KV disk tier holds loads it a chunk's worth a
+step before its next chunk (disk_loads.py).
 
 Who writes a request's KV state (its `kv` blocks, `state`, `num_computed`): this scheduler
-alone, through the KV manager. `schedule` admits, reserves blocks for the plan and preempts;
-`verify` puts a draft model's proposals in the plan's decodes before the forward (the only
-change to a plan after `schedule` returns); `update` books what the forward computed; the
-steps in flight (in_flight.py) count a pipeline's tokens in flight.
+alone, through the KV manager, and the rooms whose functions it calls for it (forks.py starts
+a fork's children, disk_loads.py books loaded blocks). `schedule` admits, reserves blocks for
+the plan and preempts; `verify` puts a draft model's proposals in the plan's decodes before
+the forward (the only change to a plan after `schedule` returns); `update` books what the
+forward computed; the steps in flight (in_flight.py) count a pipeline's tokens in flight.
 """
 
 from __future__ import annotations
@@ -43,11 +45,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gapless.engine.forks import completes_with_forks, plan_fork, start_children
+from gapless.engine.disk_loads import book_loads, plan_loads
+from gapless.engine.forks import BlockCopies, plan_forks, start_forks
 from gapless.engine.image_chunks import keep_images_whole, plan_encodes
 from gapless.engine.in_flight import StepsInFlight
 from gapless.engine.options import check, option
-from gapless.engine.plan import DiskLoad, Fork, ScheduledChunk, StepOutcome, StepPlan
+from gapless.engine.plan import ScheduledChunk, StepOutcome, StepPlan
 from gapless.engine.policy import (
     PREFILL_POLICIES,
     FairShare,
@@ -177,7 +180,8 @@ class Scheduler:
         self._make_room_for_urgent()
         decodes = self._schedule_decodes()
         self.steps += 1
-        loads = self._plan_loads(idle=not decodes)
+        load_tokens = self.config.prefill_chunk if decodes else self.config.idle_prefill_chunk
+        loads = plan_loads(self.running, self.in_flight, self.kv, load_tokens)
         loading = {load.request for load in loads}
         candidates = [r for r in self._prompt_candidates() if r not in loading]
         head = candidates[0] if candidates else None
@@ -220,32 +224,8 @@ class Scheduler:
                 decodes, int(left), rows, self.kv, self.max_model_len, self.draft_unseen
             )
         preempted, self._preempted = self._preempted, []
-        forks: list[Fork] = []
-        for chunk in chunks:
-            if completes_with_forks(chunk):
-                forking = sum(len(f.children) for f in forks)  # the step's earlier forks'
-                seats = self.config.max_num_seqs - len(self.running) - forking
-                forks.append(plan_fork(chunk.request, seats, self.kv))
+        forks = plan_forks(chunks, self.config.max_num_seqs - len(self.running), self.kv)
         return StepPlan(chunks, drafts, preempted, forks, loads)
-
-    def _plan_loads(self, idle: bool) -> list[DiskLoad]:
-        """The blocks of cached prefixes that the disk tier has read, loaded this step: as
-        many as a prompt chunk's tokens fill (an idle one's when nobody decodes), so that a
-        long prefix's load costs the decodes beside it no more than a chunk would. A prompt
-        still loading gets no chunk: its next one starts after the loaded prefix."""
-        chunk = self.config.idle_prefill_chunk if idle else self.config.prefill_chunk
-        budget = max(1, chunk // self.kv.block_size)
-        loads = []
-        for request in self.running:
-            if budget <= 0:
-                break
-            if not self.kv.loading(request.kv) or request in self.in_flight:
-                continue
-            n = self.kv.ready(request.kv, budget)
-            if n and self._reserve(request, n * self.kv.block_size):
-                loads.append(DiskLoad(request, n))
-                budget -= n
-        return loads
 
     def _prompt_candidates(self) -> list[Request]:
         """The prompts that may get tokens this step, in the order they get them: admitted
@@ -424,38 +404,25 @@ class Scheduler:
 
     # -- booking ------------------------------------------------------------------------------
 
-    def update(self, plan: StepPlan, outcome: StepOutcome) -> list[list[tuple[int, int]]]:
+    def update(self, plan: StepPlan, outcome: StepOutcome) -> BlockCopies:
         """Books what a step computed: each computed chunk's tokens (proposed ones only once
         accepted), its full blocks offered to the prefix cache; the forks of the prompts it
         completed; the requests that got a token decoding; each verified request's accepted
         proposals, and the blocks of its rejected ones released; and the requests that
         ended, removed. Returns, for each KV group, the (source, destination) blocks whose
         K/V the runner must copy for the forks."""
-        for load in plan.loads:
-            request, tokens = load.request, load.num_blocks * self.kv.block_size
-            request.num_computed += tokens
-            self.kv.register(request.kv, request.num_computed, request.hash_tokens)
-            request.disk_prompt_tokens += tokens
-            if not request.preemptions:
-                request.cached_prompt_tokens += tokens
-                self.prefix_hit_tokens += tokens
+        self.prefix_hit_tokens += book_loads(plan.loads, self.kv)
         for chunk in outcome.computed:
             request = chunk.request
             request.num_computed += chunk.num_tokens - len(chunk.draft)
             request.drop_images_before(request.num_computed)
             self.kv.register(request.kv, request.num_computed, request.hash_tokens)
         computed, finished = {c.request for c in outcome.computed}, set(outcome.finished)
-        copies: list[list[tuple[int, int]]] = [[] for _ in self.kv.groups]
-        for fork in plan.forks:
-            started, pairs = start_children(fork, fork.parent in computed, finished, self.kv)
-            for child in started:
-                self._start(child)
-            for group, more in zip(copies, pairs, strict=True):
-                group += more
-            if fork.parent in computed:
-                for child in fork.waiting:
-                    if child not in finished:
-                        self.add(child)
+        started, queued, copies = start_forks(plan.forks, computed, finished, self.kv)
+        for child in started:
+            self._start(child)
+        for child in queued:
+            self.add(child)
         for request in outcome.sampled:
             request.state = RequestState.DECODING
         for request, accepted in outcome.accepted.items():

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from gapless.kernels import paged
-from gapless.kernels.kv_format import Q8_GROUP, q8_row_bytes
+from gapless.kernels.kv_format import KV_CACHE_DTYPES, Q8_GROUP, kv_cache_name, kv_cache_row
 from gapless.kernels.linear import (
     DECODE_ROWS,
     BlockLinear,
@@ -57,9 +57,8 @@ __all__ = [
 
 log = logging.getLogger("gapless.kernels")
 
+# The run's dtypes, by --dtype name (the KV cache's storage types are kv_format's).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The KV cache's storage types; int8 is kv_format's rows of codes and scales, held as uint8.
-KV_CACHE_DTYPES = {**DTYPES, "int8": torch.uint8}
 
 
 @dataclass
@@ -259,16 +258,6 @@ def _attention_dtype(
     (docs/server.md, "The KV cache")."""
     fast = paged_prefill or "amx" in machine().cpu_isa
     return reduced if reduced and fast else dtype
-
-
-def kv_cache_row(head_dim: int, cache_dtype: torch.dtype) -> int:
-    """Elements of one token's head in a KV cache of this storage type: its last dim."""
-    return q8_row_bytes(head_dim) if cache_dtype == torch.uint8 else head_dim
-
-
-def kv_cache_name(cache_dtype: torch.dtype) -> str:
-    """A storage type's name, as --kv-cache-dtype spells it."""
-    return next(name for name, dt in KV_CACHE_DTYPES.items() if dt == cache_dtype)
 
 
 def _name(dtype: torch.dtype) -> str:

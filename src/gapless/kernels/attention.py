@@ -9,7 +9,7 @@ Two implementations:
   merged by their log-sum-exps (as in flash attention's own blocked loop). No copy of the
   history, which grows with every step of a long conversation.
 
-Both compute in q's dtype over a cache stored in any of kernels.KV_CACHE_DTYPES: what they
+Both compute in q's dtype over a cache stored in any of kv_format.KV_CACHE_DTYPES: what they
 read of it is converted first (`values`), per gathered batch of blocks or per run; a cache
 in q's dtype is read as it is.
 """
@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gapless.kernels.kv_format import dequantize_q8
+from gapless.kernels.kv_format import dequantize_q8, is_int8_rows
 
 
 def values(cached: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Keys or values read from the cache, [..., row] in its storage type, as [..., D] in
     dtype: int8 rows dequantized (kv_format), floats converted; no copy where already."""
-    if cached.dtype == torch.uint8:
+    if is_int8_rows(cached.dtype):
         return dequantize_q8(cached, dtype)
     return cached if cached.dtype == dtype else cached.to(dtype)
 

@@ -11,8 +11,8 @@ instruction at over twice that; with AMX, its build for AMX multiplies on the ti
 the flash op took 1.2-2x its time (docs/benchmarks.md has the figures). Where it cannot be built (no
 compiler, no Python headers) the probe says no and the public path runs.
 
-The cache has its own dtype, whatever the query's: float32, bf16, f16, or int8 (uint8 rows,
-kv_format.py; head sizes that are multiples of 32). The kernel reads each in place,
+The cache has its own dtype, whatever the query's: any of kv_format.py's storage types
+(float32, bf16, f16, or int8 rows: head sizes that are multiples of 32). The kernel reads each in place,
 converting a vector at a time, for decodes and prompt chunks alike: no dequantized copy of a
 history. `supports` says which (query dtype, cache dtype) pairs each build runs.
 """
@@ -26,11 +26,11 @@ import torch
 
 from gapless.kernels import build
 from gapless.kernels.extensions import LEVELS, PAGED_ATTENTION
+from gapless.kernels.kv_format import STORAGE_TYPES
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # compiled in; other models decode on SDPA
 PREFILL_HEAD_DIMS = (32, 64, 128, 256)  # prompt chunks: whole vectors of bf16 pairs
 QUERY_DTYPES = (torch.float32, torch.bfloat16)  # the output's dtype too
-CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)  # uint8: int8 rows
 
 
 def supports(
@@ -39,7 +39,7 @@ def supports(
     """Whether the build for `level` (None: this CPU's) attends queries of query_dtype over
     a cache of cache_dtype: decodes (prefill False) or prompt chunks (True). Decodes run every
     pair on every build; prompt chunks need bf16 queries and AVX512-BF16."""
-    if query_dtype not in QUERY_DTYPES or cache_dtype not in CACHE_DTYPES:
+    if query_dtype not in QUERY_DTYPES or cache_dtype not in STORAGE_TYPES:
         return False
     if not prefill:
         return True
@@ -62,7 +62,7 @@ def paged_attention(
     last_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """n new queries per sequence, q [B * n, H, D], whose keys are already in the caches
-    [blocks, block_size, Hkv, D] (int8: uint8 [blocks, block_size, Hkv, D + D / 16], see
+    [blocks, block_size, Hkv, D] (int8 rows: [blocks, block_size, Hkv, D + D / 16], see
     kv_format.py), of a dtype `supports` pairs with q's. Sequence b has the first
     num_keys[b] keys of its row of block_tables [B, width]; its queries are the last n of
     them, and each attends causally (from `window` keys before its own, if set), or, prompt

@@ -36,7 +36,7 @@ from torch import Tensor
 from gapless.kernels import attention, paged
 
 # One layer's keys and values, [blocks, block_size, Hkv, row]: row is D, or for an int8
-# cache kv_format's row of codes and scales (kernels.kv_cache_row).
+# cache kv_format's row of codes and scales (kv_format.kv_cache_row).
 KVCache = tuple[Tensor, Tensor]
 
 
@@ -248,7 +248,7 @@ class AttentionLayout:
     head_dim: int
     head_group: int  # query heads per KV head
     device: torch.device
-    cache_dtype: torch.dtype  # the KV cache's storage type (kernels.KV_CACHE_DTYPES)
+    cache_dtype: torch.dtype  # the KV cache's storage type (kv_format.KV_CACHE_DTYPES)
 
     @functools.cached_property
     def windows(self) -> list[int | None]:

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from gapless.kernels.kv_format import dequantize_q8, quantize_q8
+from gapless.kernels.kv_format import dequantize_q8, is_int8_rows, quantize_q8
 
 
 def _works(fn: object) -> bool:
@@ -68,7 +68,7 @@ def int4_mm_works(device_type: str, dtype: torch.dtype) -> bool:
 @functools.cache
 def paged_decode_works(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     """Our paged attention kernel builds here and its decodes, with queries in query_dtype
-    over a KV cache stored in cache_dtype (kernels.KV_CACHE_DTYPES), agree with plain
+    over a KV cache stored in cache_dtype (kv_format.KV_CACHE_DTYPES), agree with plain
     attention."""
     return _paged_kernel_agrees(query_dtype, cache_dtype, 1)
 
@@ -89,7 +89,7 @@ def _paged_kernel_agrees(query_dtype: torch.dtype, cache_dtype: torch.dtype, n: 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2 * n, 2, 64, generator=gen).to(query_dtype)
     k_cache, v_cache = (torch.randn(3, 4, 1, 64, generator=gen) for _ in range(2))
-    if cache_dtype == torch.uint8:  # kv_format's int8 rows
+    if is_int8_rows(cache_dtype):
         k_cache, v_cache = quantize_q8(k_cache), quantize_q8(v_cache)
         values = dequantize_q8(k_cache), dequantize_q8(v_cache)
     else:

@@ -18,12 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from gapless.kernels import blocks
-from gapless.kernels.kv_format import dequantize_q8, quantize_q8
+from gapless.kernels.kv_format import STORAGE_TYPES, dequantize_q8, is_int8_rows, quantize_q8
 from gapless.kernels.machine import kernels_setting
 from gapless.kernels.probe import step_ops_work
 
-DTYPES = (torch.float32, torch.bfloat16)
-CACHE_DTYPES = (*DTYPES, torch.float16, torch.uint8)  # uint8: int8 rows (kv_format.py)
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)  # what our ops take; the cache: any type
 
 
 def switched_on() -> bool:
@@ -34,7 +33,7 @@ def switched_on() -> bool:
 
 def _ours(x: torch.Tensor) -> ModuleType | None:
     """Our kernels, where they take x."""
-    if x.device.type == "cpu" and x.dtype in DTYPES and switched_on():
+    if x.device.type == "cpu" and x.dtype in ACTIVATION_DTYPES and switched_on():
         return blocks.extension()
     return None
 
@@ -73,18 +72,19 @@ def write_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Writes the new keys and values k, v [T, Hkv, D] into the caches [blocks, block_size,
     Hkv, D] at slots [T] (block * block_size + offset): cast to a float cache's dtype, or
-    quantized into an int8 cache (uint8 rows, kv_format.py). Returns k, v as the cache now
+    quantized into an int8 cache (kv_format.py's rows). Returns k, v as the cache now
     holds them: in a float cache's dtype, or read back from an int8 cache into k's dtype (a
     chunk attends its own keys as later steps will read them)."""
     ext = _ours(k)
-    if ext is not None and k_cache.dtype in CACHE_DTYPES and slots.dtype == torch.int64:
+    int8_rows = is_int8_rows(k_cache.dtype)
+    if ext is not None and k_cache.dtype in STORAGE_TYPES and slots.dtype == torch.int64:
         written = ext.write_kv(k, v, k_cache, v_cache, slots)
-        if k_cache.dtype != torch.uint8:
+        if not int8_rows:
             return written
-    elif k_cache.dtype == torch.uint8:
+    elif int8_rows:
         k_cache.flatten(0, 1).index_copy_(0, slots, quantize_q8(k))
         v_cache.flatten(0, 1).index_copy_(0, slots, quantize_q8(v))
-    if k_cache.dtype == torch.uint8:
+    if int8_rows:
         rows = (c.flatten(0, 1).index_select(0, slots) for c in (k_cache, v_cache))
         return tuple(dequantize_q8(r, k.dtype) for r in rows)  # type: ignore[return-value]
     k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
