@@ -1,6 +1,9 @@
 """`gapless bench`: run a seeded workload against an OpenAI-compatible server, or against our
 own server under several configurations (`--compare`), and write results, a table and plots.
-`gapless bench capacity` searches each one's highest sustainable request rate."""
+`gapless bench capacity` searches each one's highest sustainable request rate; `decode`
+alternates batch-N decodes and lone prefills between servers already running; `startup` times
+a server's start; `pipeline` runs pipeline stages against one rank; `report` builds the
+benchmarks page's table and plots from results files."""
 
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from gapless.bench import capacity
+import httpx
+
+from gapless.bench import capacity, rounds
 from gapless.bench.client import (
     RequestRecord,
     acceptance,
@@ -29,6 +34,7 @@ from gapless.bench.metrics import compute_metrics, parse_slo
 from gapless.bench.report import (
     format_table,
     plot_capacity,
+    plot_decode,
     plot_itl_cdf,
     plot_timeline,
     plot_tradeoff,
@@ -215,7 +221,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_client_args(p)
     p.set_defaults(func=bench_main)
 
-    sub = p.add_subparsers(dest="bench_command", metavar="{make-model,roofline,capacity}")
+    sub = p.add_subparsers(
+        dest="bench_command",
+        metavar="{make-model,roofline,capacity,decode,startup,pipeline,report}",
+    )
     mm = sub.add_parser("make-model", help="write a seeded random-weight checkpoint")
     mm.add_argument("out_dir", type=Path)
     mm.add_argument("--preset", choices=tuple(PRESETS), default="qwen2.5-0.5b")
@@ -223,6 +232,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     mm.set_defaults(func=make_model_main)
     add_roofline_parser(sub)
     _add_capacity_parser(sub)
+    _add_decode_parser(sub)
 
 
 def _add_capacity_parser(sub: argparse._SubParsersAction) -> None:
@@ -295,6 +305,80 @@ def _add_capacity_parser(sub: argparse._SubParsersAction) -> None:
     )
     _add_client_args(p)
     p.set_defaults(func=capacity_main)
+
+
+def _add_decode_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "decode",
+        help="batch-N decode and a lone prefill, alternating rounds between running servers",
+        description=rounds.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "servers",
+        nargs="+",
+        type=rounds.parse_server,
+        metavar="NAME=URL@MODEL",
+        help="servers already listening (a bare port: 127.0.0.1); the first is the reference",
+    )
+    p.add_argument(
+        "--kinds",
+        type=rounds.parse_kinds,
+        default=rounds.parse_kinds("b1,b4,pf"),
+        help="bN (N streams decoding) and pf (a lone prompt), comma-separated (b1,b4,pf)",
+    )
+    p.add_argument("--rounds", type=int, default=15, help="rounds of each kind (%(default)s)")
+    p.add_argument("--vocab-size", type=int, required=True, help="prompt ids are below it")
+    shape = rounds.Shape()
+    p.add_argument("--prompt-tokens", type=int, default=shape.prompt_tokens, help="bN prompts")
+    p.add_argument("--stream-tokens", type=int, default=shape.stream_tokens, help="bN outputs")
+    p.add_argument("--prefill-tokens", type=int, default=shape.prefill_tokens, help="pf prompt")
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds per request (httpx)"
+    )
+    p.add_argument("--out", type=Path, default=Path("results/decode"), help="(%(default)s)")
+    p.set_defaults(func=decode_main)
+
+
+def decode_main(args: argparse.Namespace) -> int:
+    servers = dict(args.servers)
+    if len(servers) != len(args.servers):
+        print("error: server names must differ", file=sys.stderr)
+        return 2
+    shape = rounds.Shape(args.prompt_tokens, args.stream_tokens, args.prefill_tokens)
+    try:
+        times = asyncio.run(
+            rounds.compare(
+                args.kinds, args.rounds, args.vocab_size, servers, shape, args.request_timeout
+            )
+        )
+    except (RuntimeError, httpx.HTTPError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    summary = rounds.summarize(times)
+    results = {
+        "bench": "decode",
+        "config": {
+            "kinds": args.kinds,
+            "rounds": args.rounds,
+            "vocab_size": args.vocab_size,
+            "shape": asdict(shape),
+            "servers": {n: asdict(s) for n, s in servers.items()},
+        },
+        "times_ms": times,
+        "summary": summary,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    table = rounds.format_rounds_table(summary)
+    (args.out / "table.md").write_text(table)
+    written = "results.json, table.md"
+    if rates := rounds.decode_rates(summary):
+        plot_decode(rates, args.out / "decode.png")
+        written += ", decode.png"
+    print(table)
+    print(f"wrote {args.out}/{written}", file=sys.stderr)
+    return 0
 
 
 def make_model_main(args: argparse.Namespace) -> int:
