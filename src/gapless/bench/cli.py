@@ -184,7 +184,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         type=parse_shares,
         default=WorkloadSpec.mix,
         help="mix: each arrival's service class, by weight (interactive=0.2,batch=0.8); the "
-        "request shapes by class are in docs/benchmarks.md",
+        "request shapes by class are in docs/benchmark-log.md (service classes)",
     )
     wl.add_argument(
         "--tenants",
