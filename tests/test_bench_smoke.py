@@ -166,6 +166,16 @@ def test_bench_against_fake_server(fake_server, tmp_path):
     assert "| metric | default |" in table and "TTFT p50 (ms)" in table
     _assert_png(out / "timeline.png")
     _assert_png(out / "itl_cdf.png")
+    # The run's provenance, and `gapless bench report` reading what the run wrote.
+    assert results["provenance"]["command"].startswith("gapless ")
+    assert results["provenance"]["cpu"] and results["provenance"]["written"].endswith(" UTC")
+    page = tmp_path / "page"
+    assert bench(["report", f"fake={out}", "--out", str(page)]) == 0
+    rows = (page / "table.md").read_text().splitlines()
+    stall = next(r for r in rows if r.startswith("| stall: max stall of the streams"))
+    assert f"fake {run['metrics']['max_stall_ms']:.0f}" in stall
+    assert results["provenance"]["cpu"] in stall
+    _assert_png(page / "timeline.png")
 
 
 def test_the_mix_sends_each_requests_class_and_tenants_key_and_reports_each(
