@@ -30,6 +30,7 @@ from gapless.bench.client import (
 )
 from gapless.bench.compare import ServerError, ServerProcess, parse_configs
 from gapless.bench.engine_only import engine_for, run_engine
+from gapless.bench.kv_accuracy import add_kv_accuracy_parser
 from gapless.bench.make_model import PRESETS
 from gapless.bench.metrics import compute_metrics, parse_slo
 from gapless.bench.page import provenance
@@ -225,7 +226,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
     sub = p.add_subparsers(
         dest="bench_command",
-        metavar="{make-model,roofline,capacity,decode,startup,pipeline,report}",
+        metavar="{make-model,roofline,capacity,decode,startup,pipeline,kv-accuracy,report}",
     )
     mm = sub.add_parser("make-model", help="write a seeded random-weight checkpoint")
     mm.add_argument("out_dir", type=Path)
@@ -238,6 +239,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_startup_parser(sub)
     _add_pipeline_parser(sub)
     _add_report_parser(sub)
+    add_kv_accuracy_parser(sub)
 
 
 def _add_capacity_parser(sub: argparse._SubParsersAction) -> None:
