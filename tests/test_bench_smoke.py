@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import uvicorn
-from helpers import load_script
 from safetensors import safe_open
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -167,6 +166,16 @@ def test_bench_against_fake_server(fake_server, tmp_path):
     assert "| metric | default |" in table and "TTFT p50 (ms)" in table
     _assert_png(out / "timeline.png")
     _assert_png(out / "itl_cdf.png")
+    # The run's provenance, and `gapless bench report` reading what the run wrote.
+    assert results["provenance"]["command"].startswith("gapless ")
+    assert results["provenance"]["cpu"] and results["provenance"]["written"].endswith(" UTC")
+    page = tmp_path / "page"
+    assert bench(["report", f"fake={out}", "--out", str(page)]) == 0
+    rows = (page / "table.md").read_text().splitlines()
+    stall = next(r for r in rows if r.startswith("| stall: max stall of the streams"))
+    assert f"fake {run['metrics']['max_stall_ms']:.0f}" in stall
+    assert results["provenance"]["cpu"] in stall
+    _assert_png(page / "timeline.png")
 
 
 def test_the_mix_sends_each_requests_class_and_tenants_key_and_reports_each(
@@ -427,20 +436,35 @@ def test_a_trial_ends_at_its_deadline_when_the_server_falls_behind(fake_server):
     assert result.metrics["cancelled"] == result.metrics["num_requests"] > 0
 
 
-def test_compare_servers_alternates_rounds_and_reads_time_per_token(fake_server, capsys):
-    """scripts/compare_servers.py, the method of the AVX2 comparison in docs/benchmarks.md:
-    every server measured every round, as the bench's TPOT (the fake server's ~10 ms a token)
-    and TTFT, and a ratio line per server after the first."""
-    compare_servers = load_script("compare_servers")
+def test_decode_alternates_rounds_and_reads_time_per_token(fake_server, tmp_path, capsys):
+    """`gapless bench decode`, the method of the decode and AVX2 rows of docs/benchmarks.md:
+    every server measured every round, in turn, as the bench's TPOT (the fake server's ~10 ms
+    a token) and TTFT, with each later server's median ratio against the first."""
+    out = tmp_path / "decode"
     port = fake_server.rsplit(":", 1)[1]
-    servers = {"a": (port, "fake"), "b": (port, "fake")}
-    for kind in ("b1", "pf"):
-        asyncio.run(compare_servers.compare(kind, 2, 4096, servers))
-    out = capsys.readouterr().out.splitlines()
-    rounds = [line.split(":")[0] for line in out if line.split(":")[0].split()[1] == "round"]
-    assert rounds == ["b1 round 1", "b1 round 2", "pf round 1", "pf round 2"]
-    medians = next(line for line in out if line.startswith("b1 medians (ms): "))
-    b1 = [float(v.split()[1]) for v in medians.split(": ")[1].split(", ")]
-    assert len(b1) == 2 and all(FAKE_TOKEN_S * 1e3 <= ms < 20 * FAKE_TOKEN_S * 1e3 for ms in b1)
-    assert sum(line.startswith("b1 a / b: median of the rounds' ratios") for line in out) == 1
-    assert sum(line.startswith("pf a / b: median of the rounds' ratios") for line in out) == 1
+    argv = ["decode", f"a={port}@fake", f"b={fake_server}@fake", "--kinds", "b1,b2,pf"]
+    rc = bench([*argv, "--rounds", "2", "--vocab-size", "4096", "--out", str(out)])
+    assert rc == 0
+    rounds = [line.split(":")[0] for line in capsys.readouterr().err.splitlines()]
+    assert [r for r in rounds if " round " in r] == [
+        f"{kind} round {r}" for kind in ("b1", "b2", "pf") for r in (1, 2)
+    ]
+    results = json.loads((out / "results.json").read_text())
+    assert results["bench"] == "decode"
+    assert set(results["times_ms"]) == {"b1", "b2", "pf"}
+    for kind in ("b1", "b2"):
+        medians = results["summary"][kind]["median_ms"]
+        assert set(medians) == {"a", "b"}
+        assert all(FAKE_TOKEN_S * 1e3 <= ms < 20 * FAKE_TOKEN_S * 1e3 for ms in medians.values())
+    assert results["summary"]["pf"]["reference"] == "a"
+    assert set(results["summary"]["pf"]["ratio"]) == {"b"}
+    table = (out / "table.md").read_text()
+    assert "| decode batch 2 (TPOT) |" in table and "| prefill (TTFT) |" in table
+    _assert_png(out / "decode.png")
+
+
+def test_decode_refuses_a_malformed_server_or_kind():
+    with pytest.raises(SystemExit):
+        bench(["decode", "nameonly", "--vocab-size", "100"])
+    with pytest.raises(SystemExit):
+        bench(["decode", "a=8000", "--kinds", "b0", "--vocab-size", "100"])

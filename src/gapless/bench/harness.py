@@ -1,6 +1,7 @@
-"""Steps of chosen chunks on a ModelRunner, for the measurement scripts (scripts/measure_*.py,
-bench/roofline.py), which time the model forward without a scheduler. Not the engine's path:
-there Scheduler.schedule plans each step and Scheduler.update books it.
+"""Steps of chosen chunks on a ModelRunner, for the in-process measurements
+(bench/roofline.py, scripts/measure_kv_accuracy.py), which time the model forward without a
+scheduler. Not the engine's path: there Scheduler.schedule plans each step and
+Scheduler.update books it.
 
 A Harness stands in for the scheduler: it asks a KV manager of the runner's size for each
 request's blocks as its chunks need them (as the scheduler does), and advances the requests'

@@ -204,3 +204,25 @@ def plot_tradeoff(metrics_by_config: Mapping[str, Mapping], path: Path) -> None:
     ax.set_title("latency target trade-off (o: through HTTP, x: engine only)", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     _save(fig, path)
+
+
+def plot_decode(rates_by_server: Mapping[str, Mapping[int, float]], path: Path) -> None:
+    """`gapless bench decode`: output tokens/s (all streams together) against the batch size,
+    one line per server."""
+    fig = Figure(figsize=(6.5, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for name, rates in rates_by_server.items():
+        sizes = sorted(rates)
+        ax.plot(sizes, [rates[n] for n in sizes], "o-", label=name)
+    sizes = sorted({n for rates in rates_by_server.values() for n in rates})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("streams decoding at once (batch size)")
+    ax.set_ylabel("output tokens/s, all streams")
+    ax.set_title("decode rate by batch size (medians of alternating rounds)", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    if rates_by_server:
+        ax.legend(fontsize=8)
+    _save(fig, path)

