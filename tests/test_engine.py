@@ -256,6 +256,27 @@ def test_kv_exhaustion_preempts_and_still_completes_everything(make_engine):
     assert engine.kv.pool.num_used == 0
 
 
+def test_prompts_that_fill_the_pool_together_with_none_complete_still_finish(make_engine):
+    """Two tenants' long prompts take turns at chunks (FairShare) until the pool is full with
+    neither prompt complete and nobody decoding, so no decode's preemption frees a block: the
+    scheduler must preempt one of them itself, or both wait forever (a multi-turn bench hung
+    so, its prompts loading from the disk tier)."""
+    prompts = [prompt(20 * 16, seed=60 + i) for i in range(2)]
+    want = run_all(make_engine(), prompts, 4)
+    engine = make_engine(kv_cache_tokens=30 * 16, prefill_chunk=64, idle_prefill_chunk=64)
+    ids = [engine.add_request(p, greedy(4, tenant=t)) for p, t in zip(prompts, "ab", strict=True)]
+    events: dict[str, list] = {}
+    for _ in range(200):
+        if not engine.has_work:
+            break
+        for event in engine.step():
+            events.setdefault(event.request_id, []).append(event)
+    assert not engine.has_work, "both prompts waited for the other's blocks"
+    assert [tokens(events[i]) for i in ids] == want
+    assert sum(finished(events[i]).preempted for i in ids) == 1
+    assert engine.kv.pool.num_used == 0
+
+
 def test_prompt_that_can_never_fit_is_rejected(make_engine):
     from gapless.engine.engine import RequestError
 

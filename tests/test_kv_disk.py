@@ -278,3 +278,36 @@ def test_two_servers_share_one_directory(checkpoint, tmp_path):
     assert got == want and end.cached_prompt_tokens == 20 * BS
     assert disk_stats(third).skipped == 0
     third.close()
+
+
+def test_prefixes_loading_together_beyond_the_pool_all_finish(checkpoint, tmp_path):
+    """Three prompts on 20-block disk prefixes, each with 4 blocks of its own after it, load
+    in the same steps into a pool of 62 blocks: their loads fill it, so no prompt has room
+    for its own tokens, and nobody decodes. One gives way (it is preempted and recomputes),
+    every prompt ends with the tokens it computes alone, and every block comes back."""
+    path, disk = checkpoint("llama"), tmp_path / "kv"
+    prefixes = [prompt(20 * BS + 1, seed=40 + i) for i in range(3)]
+    prompts = [p + prompt(4 * BS, seed=50 + i) for i, p in enumerate(prefixes)]
+    cold = engine_of(path, None)
+    expected = [answer(cold, ids)[0] for ids in prompts]
+    writer = engine_of(path, disk)
+    for ids in prefixes:
+        answer(writer, ids, 1)
+    writer.close()
+    engine = engine_of(path, disk, kv_cache_tokens=62 * BS, idle_prefill_chunk=64 * BS)
+    ids = [engine.add_request(p, greedy(6)) for p in prompts]
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    ends: dict[str, FinishedEvent] = {}
+    for _ in range(2000):
+        if not engine.has_work:
+            break
+        for event in engine.step():
+            if isinstance(event, TokenEvent):
+                out[event.request_id] += event.token_ids
+            elif isinstance(event, FinishedEvent):
+                ends[event.request_id] = event
+    assert not engine.has_work, "the prompts waited on each other's blocks"
+    assert [out[rid] for rid in ids] == expected
+    assert sum(ends[rid].cached_prompt_tokens for rid in ids) >= 2 * 20 * BS
+    assert engine.kv.pool.num_used == 0
+    engine.close()

@@ -14,24 +14,27 @@ from gapless.kv.manager import KVManager
 
 def plan_loads(
     running: list[Request], in_flight: StepsInFlight, kv: KVManager, chunk: int
-) -> list[DiskLoad]:
+) -> tuple[list[DiskLoad], bool]:
     """The blocks the disk tier has read, loaded this step: as many as `chunk` prompt tokens
     fill (the step's prompt chunk), so that a long prefix's load costs the decodes beside it
-    no more than a chunk would; each load's blocks reserved. A prompt still loading gets no
-    chunk: its next one starts after the loaded prefix."""
+    no more than a chunk would; each load's blocks reserved, as many as the pool holds. A
+    prompt still loading gets no chunk: its next one starts after the loaded prefix. Also
+    returns whether a load that was read found no free block."""
     budget = max(1, chunk // kv.block_size)
-    loads = []
+    loads, refused = [], False
     for request in running:
         if budget <= 0:
             break
         if not kv.loading(request.kv) or request in in_flight:
             continue
-        n = kv.ready(request.kv, budget)
+        ready = kv.ready(request.kv, budget)
+        n = min(ready, kv.room(request.kv, request.num_scheduled) // kv.block_size)
         end = request.num_scheduled + n * kv.block_size
         if n and kv.reserve(request.kv, request.num_computed, end):
             loads.append(DiskLoad(request, n))
             budget -= n
-    return loads
+        refused |= ready > n
+    return loads, refused
 
 
 def book_loads(loads: list[DiskLoad], kv: KVManager) -> int:

@@ -181,7 +181,7 @@ class Scheduler:
         decodes = self._schedule_decodes()
         self.steps += 1
         load_tokens = self.config.prefill_chunk if decodes else self.config.idle_prefill_chunk
-        loads = plan_loads(self.running, self.in_flight, self.kv, load_tokens)
+        loads, starved = plan_loads(self.running, self.in_flight, self.kv, load_tokens)
         loading = {load.request for load in loads}
         candidates = [r for r in self._prompt_candidates() if r not in loading]
         head = candidates[0] if candidates else None
@@ -210,6 +210,7 @@ class Scheduler:
                 continue  # admitted on a prefix the disk holds: its chunks follow its load
             planned = self._prompt_chunk(request, work, budget, first=len(chunks) == len(decodes))
             if planned is None:
+                starved = True  # a step's first prompt chunk gets nothing only for want of KV
                 continue
             chunk, charge = planned
             chunks.append(chunk)
@@ -217,6 +218,8 @@ class Scheduler:
             spent = work(chunk.num_tokens, request.num_scheduled) + charge
             budget -= spent
             left -= spent
+        if starved and not chunks and not loads:
+            self._preempt_for_progress()
         drafts = []
         if speculating:
             rows = DECODE_ROWS - len(decodes)
@@ -350,6 +353,12 @@ class Scheduler:
                 # The slot is this request's: the preempted one, first in the queue and of a
                 # tenant level in tokens with it, would otherwise take it straight back.
                 self._admit(request)
+
+    def _preempt_for_progress(self) -> None:
+        """Prompts holding the pool, none complete nor decoding, would wait on each other
+        forever: the last by precedence gives way (once no step in flight may free blocks)."""
+        if len(self.running) > 1 and not self.in_flight.held:
+            self.preempt(max(self._preemptible(), key=precedence))
 
     def _preemptible(self) -> list[Request]:
         """The running requests whose KV no step in flight uses."""
