@@ -91,7 +91,14 @@ PAGED_ATTENTION = Extension(
 # contraction: dequantize's d * code + m must round as the `gguf` package's numpy.
 GGUF_BLOCKS = Extension(
     "gguf_blocks",
-    ("gguf_ops.cpp", "gguf_q32.cpp", "gguf_kquants.cpp", "step_ops.cpp", "expert_ops.cpp"),
+    (
+        "gguf_ops.cpp",
+        "gguf_q32.cpp",
+        "gguf_kquants.cpp",
+        "step_ops.cpp",
+        "expert_ops.cpp",
+        "decode_layers.cpp",
+    ),
     ("-O3", "-fopenmp", "-ffp-contract=off"),
     ("avx2", "avx-vnni", "avx512", "avx512-vnni"),
 )

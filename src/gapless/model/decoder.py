@@ -10,6 +10,7 @@ write of its new K/V and attention over the cache, and the tensor-parallel all-r
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from gapless.kernels import AttentionPlan, Kernels, Linear
+from gapless.kernels.decode_layers import DecodeLayers, DecodeSpec
 from gapless.kernels.plans import KVCache
 from gapless.kernels.quant import BlockQuant
 from gapless.kernels.step_ops import apply_rope as apply_rope  # the families' seam
@@ -26,6 +28,8 @@ from gapless.kernels.step_ops import rms_norm, write_kv
 from gapless.model.config import ModelConfig
 from gapless.model.parallel import TensorParallel
 from gapless.model.pipeline import Stage
+
+log = logging.getLogger("gapless.kernels")
 
 
 @dataclass
@@ -175,6 +179,14 @@ class Body:
     logit_softcap: float | None = None
 
 
+def _decode_spec(layer: Layer) -> DecodeSpec | str:
+    """The layer as data for the decode call (its family's decode_spec), or why it is not."""
+    if (spec := getattr(layer, "decode_spec", None)) is not None:
+        return spec()
+    family = type(layer).__module__.rsplit(".", 1)[-1]
+    return f"{family}.{type(layer).__qualname__} gives no decode spec"
+
+
 class Decoder:
     def __init__(
         self,
@@ -220,6 +232,20 @@ class Decoder:
         self.layer_ids = stage.layers if stage else range(config.num_layers)
         # The group's ranks, whatever the split: rank 0 broadcasts each step's inputs on them.
         self.ranks = stage.ranks if stage else parallel
+        self.decode_layers = self._decode_layers()
+
+    def _decode_layers(self) -> DecodeLayers | None:
+        """Decode steps' layers in one native call, where every layer gives itself as data
+        (decode_spec) and the kernels take it; else None, and the log says why."""
+        if self.parallel is not None or self.stage is not None:
+            built: DecodeLayers | str = "a tensor- or pipeline-parallel rank"
+        else:
+            built = DecodeLayers.build([_decode_spec(layer) for layer in self.layers], self.kernels)
+        if isinstance(built, str):
+            log.info("kernels: decode steps' layers on torch ops (%s)", built)
+            return None
+        log.info("kernels: decode steps' layers in one native call")
+        return built
 
     def forward(self, batch: BatchInput, kv_cache: list[KVCache]) -> torch.Tensor:
         """Runs the batch, writes its K/V into kv_cache, returns float32 logits [R, vocab]
@@ -240,8 +266,13 @@ class Decoder:
             x = self._embed(batch)
         else:
             x = stage.receive_hidden(len(batch.token_ids), cfg.hidden_size, self.dtype)
-        for layer, cache in zip(self.layers, kv_cache, strict=True):
-            x = layer.forward(x, step, cache)
+        fused, rows = self.decode_layers, len(batch.token_ids)
+        if fused is not None and fused.takes(batch.attention, batch.windows, rows):
+            rotation = step.rotation(fused.rope)  # type: ignore[arg-type]
+            x = fused.run(x, kv_cache, batch.write_slots, batch.attention[0], rotation)  # type: ignore[arg-type]
+        else:
+            for layer, cache in zip(self.layers, kv_cache, strict=True):
+                x = layer.forward(x, step, cache)
         if stage is None or stage.last:
             logits = self._head(x, batch)
             if stage is not None:

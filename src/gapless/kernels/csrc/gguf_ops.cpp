@@ -1,128 +1,14 @@
 // Torch ops over GGUF weight blocks (gguf_blocks.h): dequantize, the decode-row product
 // (gemv: activations quantized to 8 bits per block, integer dots with the blocks as stored)
 // and the prompt-chunk product (mm: a tile of rows dequantized at a time, then a GEMM).
-#include "torch_api.h"
-
-#include <algorithm>
-#include <cstring>
-#include <vector>
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-#include "gguf_blocks.h"
+#include "gguf_weight.h"
 
 namespace {
 
 namespace gg = gapless_gguf;
-
-const gg::BlockType& block_type(int64_t qtype) {
-  const gg::BlockType* t = gg::q32_type(qtype);
-  if (t == nullptr) t = gg::kquant_type(qtype);
-  TORCH_CHECK(t != nullptr, "GGUF block type ", qtype,
-              " has no kernel here (have Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL and the K-quants)");
-  return *t;
-}
-
-// Blocks [rows, nblocks * block_bytes] holding `cols` values a row: the number of blocks.
-int64_t check_blocks(const at::Tensor& blocks, const gg::BlockType& t, int64_t cols) {
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
-              "blocks must be a contiguous uint8 tensor [rows, bytes per row]");
-  TORCH_CHECK(cols % t.block_elems == 0, t.name, " rows hold multiples of ", t.block_elems,
-              " values, not ", cols);
-  const int64_t nblocks = cols / t.block_elems;
-  TORCH_CHECK(blocks.size(1) == nblocks * t.block_bytes, t.name, " rows of ", cols,
-              " values take ", nblocks * t.block_bytes, " bytes, not ", blocks.size(1));
-  return nblocks;
-}
-
-// Floats to bf16, rounding to nearest even as Tensor.to(bfloat16) does (for all but NaNs'
-// payloads; dequantized weights are finite).
-void to_bf16(const float* src, uint16_t* dst, int64_t n) {
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  for (; j + 16 <= n; j += 16) {
-    __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(src + j));
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-  }
-#elif defined(__AVX2__)
-  const auto round = [](const float* p) {
-    const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(p));
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff));
-    return _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
-  };
-  for (; j + 16 <= n; j += 16) {
-    // packus interleaves the two halves' 128-bit lanes; the permute puts them back in order.
-    const __m256i packed = _mm256_packus_epi32(round(src + j), round(src + j + 8));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
-                        _mm256_permute4x64_epi64(packed, 0xd8));
-  }
-#endif
-  for (; j < n; ++j) dst[j] = c10::BFloat16(src[j]).x;
-}
-
-// A weight's blocks: rows of row_bytes, in the file's layout or interleaved (gguf_blocks.h).
-struct Weight {
-  const gg::BlockType& t;
-  int64_t nblocks;  // before data: its check says what is wrong with the blocks
-  const uint8_t* data;
-  int64_t row_bytes;
-  bool interleaved;
-
-  Weight(const gg::BlockType& type, const at::Tensor& blocks, int64_t cols, bool interleaved)
-      : t(type),
-        nblocks(check_blocks(blocks, type, cols)),
-        data(blocks.data_ptr<uint8_t>()),
-        row_bytes(blocks.size(1)),
-        interleaved(interleaved) {
-    TORCH_CHECK(!interleaved || (t.code_bytes > 0 && blocks.size(0) % gg::kGroupRows == 0),
-                t.name, " blocks cannot be interleaved (or not in ", blocks.size(0), " rows)");
-  }
-
-  // Rows r .. r + kGroupRows - 1 (r a multiple of it where interleaved), in the file's
-  // layout: where they lie, or unpacked into scratch.
-  const uint8_t* group(int64_t r, std::vector<uint8_t>& scratch) const {
-    if (!interleaved) return data + r * row_bytes;
-    scratch.resize(gg::kGroupRows * row_bytes);
-    permute_group<false>(t, const_cast<uint8_t*>(data) + r * row_bytes, scratch.data(),
-                         row_bytes, nblocks);
-    return scratch.data();
-  }
-
-  // The group's rows, from the file's layout at `rows` into the interleaved one at `group`
-  // (kToGroup), or back.
-  template <bool kToGroup>
-  static void permute_group(const gg::BlockType& t, uint8_t* group, uint8_t* rows,
-                            int64_t row_bytes, int64_t nblocks) {
-    for (int64_t r = 0; r < gg::kGroupRows; ++r)
-      permute_row<kToGroup>(t, group, rows + r * row_bytes, r, nblocks);
-  }
-
-  // One row, `lane` of its group, likewise.
-  template <bool kToGroup>
-  static void permute_row(const gg::BlockType& t, uint8_t* group, uint8_t* row, int64_t lane,
-                          int64_t nblocks) {
-    const int64_t g = gg::kGroupRows, fields = t.block_bytes - t.code_bytes;
-    const auto move = [](uint8_t* in_group, uint8_t* in_row, size_t n) {
-      if constexpr (kToGroup)
-        std::memcpy(in_group, in_row, n);
-      else
-        std::memcpy(in_row, in_group, n);
-    };
-    for (int64_t b = 0; b < nblocks; ++b) {
-      uint8_t* dst = group + b * g * t.block_bytes;
-      uint8_t* block = row + b * t.block_bytes;
-      for (int64_t i = 0; i < fields; i += 2) move(dst + i * g + 2 * lane, block + i, 2);
-      for (int64_t i = 0; i < t.code_bytes; i += 4)
-        move(dst + (fields + i) * g + 4 * lane, block + fields + i, 4);
-    }
-  }
-};
+using gg::block_type;
+using gg::to_bf16;
+using gg::Weight;
 
 // Rows r0..r1 of the weight as floats (or bf16) at out, `cols` a row; `scratch` holds a row
 // of floats, `bytes` a group of rows. Interleaved: r0 and r1 multiples of kGroupRows.
@@ -198,66 +84,15 @@ at::Tensor take_rows(const at::Tensor& blocks, int64_t qtype, int64_t cols, cons
   return out;
 }
 
-// Activation rows x [M, K] quantized in the type's format: M rows of act_bytes each.
-std::vector<uint8_t> quantize_acts(const gg::BlockType& t, const at::Tensor& x,
-                                   int64_t* act_row_bytes) {
-  const int64_t m = x.size(0), k = x.size(1), nblocks = k / t.block_elems;
-  const bool q8 = t.act == gg::ActFormat::Q8;
-  *act_row_bytes = nblocks * (q8 ? sizeof(gg::ActQ8) : sizeof(gg::ActQ8K));
-  std::vector<uint8_t> acts(m * *act_row_bytes);
-  const float* src = x.data_ptr<float>();
-  at::parallel_for(0, m, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      void* dst = acts.data() + i * *act_row_bytes;
-      if (q8)
-        gg::quantize_act_q8(src + i * k, static_cast<gg::ActQ8*>(dst), k);
-      else
-        gg::quantize_act_q8k(src + i * k, static_cast<gg::ActQ8K*>(dst), k);
-    }
-  });
-  return acts;
-}
-
 at::Tensor gemv(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype,
                 bool interleaved) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
               "gemv takes float32 activations [M, K]");
   const at::Tensor x = x_in.contiguous();  // here, not in Python: a dispatch less a call
   const Weight w(block_type(qtype), blocks, x.size(1), interleaved);
-  const gg::BlockType& t = w.t;
-  const int64_t m = x.size(0), n = blocks.size(0), nblocks = w.nblocks;
-  int64_t act_row_bytes;
-  const std::vector<uint8_t> acts = quantize_acts(t, x, &act_row_bytes);
+  const int64_t m = x.size(0), n = blocks.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
-  float* y = out.data_ptr<float>();
-  // Each weight row is read from memory once and dotted with every activation row while it
-  // sits in L1. A grain of 16 rows still splits the narrowest layers over the threads.
-  const auto dot_row = [&](const uint8_t* row, int64_t r) {
-    if (t.dot_rows != nullptr && m > 1) {
-      t.dot_rows(row, acts.data(), act_row_bytes, m, y + r, n, nblocks);
-    } else {
-      for (int64_t i = 0; i < m; ++i)
-        y[i * n + r] = t.dot(row, acts.data() + i * act_row_bytes, nblocks);
-    }
-  };
-  if (!interleaved) {
-    at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-      for (int64_t r = n0; r < n1; ++r) dot_row(w.data + r * w.row_bytes, r);
-    });
-    return out;
-  }
-  at::parallel_for(0, n / gg::kGroupRows, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<uint8_t> bytes;
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t r0 = g * gg::kGroupRows;
-      if (t.dot_group != nullptr) {
-        t.dot_group(w.data + r0 * w.row_bytes, acts.data(), act_row_bytes, m, y + r0, n, nblocks);
-      } else {  // the portable build: each group unpacked, its rows dotted as they are
-        const uint8_t* rows = w.group(r0, bytes);
-        for (int64_t r = 0; r < gg::kGroupRows; ++r) dot_row(rows + r * w.row_bytes, r0 + r);
-      }
-    }
-  });
+  gg::gemv_rows(x.data_ptr<float>(), m, x.size(1), w, n, out.data_ptr<float>(), n);
   return out;
 }
 
@@ -314,6 +149,7 @@ at::Tensor mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t qtype, b
 
 void register_step_ops(pybind11::module_& m);    // step_ops.cpp
 void register_expert_ops(pybind11::module_& m);  // expert_ops.cpp
+void register_decode_layers(pybind11::module_& m);  // decode_layers.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_type", [](int64_t qtype) {
@@ -335,4 +171,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("times") = pybind11::none());
   register_step_ops(m);
   register_expert_ops(m);
+  register_decode_layers(m);
 }

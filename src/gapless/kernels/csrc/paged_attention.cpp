@@ -14,7 +14,7 @@
 // The cache has its own storage type, whatever the query's (float32 or bf16): float32, bf16,
 // f16, or int8 rows (kernels/kv_format.py: a head's D codes, then its D / 32 f16 scales).
 // Each is read in place and converted a vector at a time as it is used: no dequantized copy.
-#include "torch_api.h"
+#include "paged_entry.h"
 
 #include <algorithm>
 #include <array>
@@ -1091,10 +1091,10 @@ void prefill_dispatch(const at::Tensor& q, const at::Tensor& k_cache, const at::
 // sequence b, at key position p = num_keys[b] - n + i, attends the keys up to its own, or for a
 // prompt chunk given last_keys [B * n] int64, up to last_keys[b * n + i] (>= p, < num_keys[b]);
 // from key p - window + 1 when window > 0. Returns [B * n, H, D] in q's dtype.
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& num_keys, int64_t n, int64_t window, double scale,
-                           const c10::optional<at::Tensor>& last_keys) {
+void paged_attention_into(const at::Tensor& q, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& block_tables,
+                          const at::Tensor& num_keys, int64_t n, int64_t window, double scale,
+                          const c10::optional<at::Tensor>& last_keys, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes());
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention: k and v caches differ in dtype");
@@ -1113,7 +1113,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     lasts = last_keys->contiguous();
   }
   const int64_t* lasts_data = lasts.defined() ? lasts.data_ptr<int64_t>() : nullptr;
-  auto out = at::empty_like(q);
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous());
   // The head size is a template argument, so the loops over it unroll and vectorize.
   auto by_head_size = [&](auto query_type, auto cache_type) {
     using Q = decltype(query_type);
@@ -1151,9 +1151,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     case at::kBFloat16: by_cache(c10::BFloat16()); break;
     default: TORCH_CHECK(false, "paged_attention: ", q.scalar_type(), " queries are not float32 or bfloat16");
   }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& num_keys, int64_t n, int64_t window, double scale,
+                           const c10::optional<at::Tensor>& last_keys) {
+  at::Tensor out = at::empty_like(q);
+  paged_attention_into(q, k_cache, v_cache, block_tables, num_keys, n, window, scale, last_keys, out);
   return out;
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_attention", &paged_attention); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention);
+  m.def("paged_attention_entry", [] {
+    const PagedAttentionInto entry = &paged_attention_into;
+    return reinterpret_cast<intptr_t>(entry);
+  }, "the address of paged_attention's C++ entry with its output given (paged_entry.h)");
+}

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gapless.kernels import Linear
+from gapless.kernels.decode_layers import DecodeSpec
 from gapless.kernels.plans import KVCache
 from gapless.kernels.quant import Quantized
 from gapless.model.config import ModelConfig, base_fields, check_activation
@@ -172,6 +173,31 @@ class Layer(PreNormLayer):
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.down(self.up.times(h, self.gate.silu(h)))
+
+    def decode_spec(self) -> DecodeSpec | str:
+        """This layer as a decode step's one native call takes it, or why it cannot."""
+        if self.rope is None:
+            return "a layer without a rotary embedding (NoPE)"
+        if self.sinks is not None:
+            return "attention sinks"
+        cfg = self.cfg
+        return DecodeSpec(
+            self.input_norm,
+            self.post_norm,
+            self.q_norm,
+            self.k_norm,
+            self.qkv,
+            self.o,
+            self.gate,
+            self.up,
+            self.down,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            self.window,
+            cfg.rms_norm_eps,
+            self.rope,
+        )
 
 
 def default_rope(cfg: LlamaConfig, device: torch.device) -> Rope:
