@@ -36,6 +36,8 @@ DOCUMENTS = [
     "for line in open(path).readlines(): print(line)",
 ]
 MODEL = "reranker"
+# The test checkpoints' decoders that transformers has a sequence classifier of.
+CLASSIFIERS = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}
 
 
 def classifier(tmp: Path, arch: str) -> Path:
@@ -44,9 +46,7 @@ def classifier(tmp: Path, arch: str) -> Path:
     import transformers
 
     base = make_checkpoint(tmp / "base", arch)
-    cls = getattr(
-        transformers, f"{'Qwen3' if arch == 'qwen3' else 'Llama'}ForSequenceClassification"
-    )
+    cls = getattr(transformers, f"{CLASSIFIERS[arch]}ForSequenceClassification")
     torch.manual_seed(1)
     model = cls.from_pretrained(base, num_labels=1, dtype=torch.float32)
     out = tmp / "classifier"
@@ -65,7 +65,7 @@ def yes_no_reranker(tmp: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=list(CLASSIFIERS))
 def classifier_dir(request: pytest.FixtureRequest, tmp_path_factory: Any) -> Path:
     return classifier(tmp_path_factory.mktemp(f"cls-{request.param}"), request.param)
 
@@ -126,12 +126,11 @@ def close(got: list[float], want: list[float], tol: float = 1e-4) -> bool:
 
 def test_classifier_scores_are_transformers_sigmoid_of_its_head(classifier_dir):
     e = engine(classifier_dir)
+    e.reserve_peak_memory()  # the start-up step, on a model with no lm_head
     prompts = pairs(e, QUERY, DOCUMENTS)
-    # The tokenizer's pair encoding: bos query bos document, as transformers encodes a pair.
-    from transformers import AutoTokenizer
-
-    hf_tok = AutoTokenizer.from_pretrained(classifier_dir)
-    assert prompts[0] == hf_tok(QUERY, DOCUMENTS[0])["input_ids"]
+    # The tokenizer's pair encoding (its post-processor's pair template): bos query bos
+    # document, the query first.
+    assert prompts[0] == e.tokenizer.encode(QUERY) + e.tokenizer.encode(DOCUMENTS[0])
     got = scores(e, prompts)
     assert close(got, hf_classifier_scores(classifier_dir, prompts))
     assert len(set(got)) == len(got)  # the head tells the documents apart
