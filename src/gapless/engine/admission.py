@@ -41,6 +41,10 @@ class RequestError(ValueError):
 
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+GENERATES_NOTHING = (
+    "this model is a sequence classifier: it scores pairs (/v1/rerank, /v1/score) and "
+    "generates no text"
+)
 
 
 @dataclass(frozen=True)
@@ -92,8 +96,11 @@ class Admission:
         vision: VisionLanguageModel | None = None,
         limit_mm_per_prompt: int = 0,
         max_image_pixels: int = 0,
+        generates: bool = True,
     ) -> None:
+        """generates: False for a sequence classifier, which has no lm_head."""
         self.tokenizer = tokenizer
+        self.generates = generates
         self.vision = vision
         self.limit_mm_per_prompt = limit_mm_per_prompt
         self.max_image_pixels = max_image_pixels
@@ -314,7 +321,9 @@ class Admission:
 
     def check_params(self, params: SamplingParams) -> None:
         """The sampling options bounded by the model's vocabulary: top_k and stop_token_ids.
-        (SamplingParams checked the others when it was made.)"""
+        (SamplingParams checked the others when it was made.) A classifier refuses them all."""
+        if not self.generates:
+            raise RequestError(GENERATES_NOTHING, "model", "model_cannot_generate")
         if params.top_k > self.vocab_size:
             raise RequestError(
                 f"top_k must be at most the vocabulary size {self.vocab_size}, got {params.top_k}",

@@ -144,6 +144,11 @@ class AsyncEngine:
             lambda rid: self.engine.add_embedding(prompts, rid, pooling),
         )
 
+    def score(self, pairs: list[list[int]], request_id: str | None = None) -> AsyncIterator[Event]:
+        """Adds a score request now (Engine.add_score) and returns its events, ending with the
+        last of its pairs' FinishedEvents; as stream() otherwise."""
+        return self._open(request_id, len(pairs), lambda rid: self.engine.add_score(pairs, rid))
+
     def _open(
         self, request_id: str | None, n: int, add: Callable[[str], object]
     ) -> AsyncIterator[Event]:

@@ -149,6 +149,12 @@ class EngineConfig:
         "L2-normalized",
         choices=POOLINGS,
     )
+    reranker: bool = option(
+        False,
+        "score rerank and score requests' pairs as a yes/no reranker (Qwen3-Reranker's "
+        "recipe: P(yes) of the last token's yes and no logits); *ForSequenceClassification "
+        "checkpoints score by their head without it",
+    )
     speculate: str = option(
         "ngram",
         "speculative decoding: ngram proposes what followed the latest earlier match of a "

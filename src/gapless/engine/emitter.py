@@ -100,6 +100,7 @@ class Emitter:
         reason: str,
         error: str | None = None,
         embedding: list[float] | None = None,
+        score: float | None = None,
     ) -> None:
         if self.has_ended(req):
             return  # a fork already ended with the choice it waited on
@@ -125,6 +126,7 @@ class Emitter:
                 timings=_timings(req),
                 index=req.index,
                 embedding=embedding,
+                score=score,
             )
         )
         req.pooled = None

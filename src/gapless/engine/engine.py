@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gapless.engine import builder, distributed
+from gapless.engine import builder, distributed, scoring
 from gapless.engine.admission import Admission, RequestError
 from gapless.engine.config import EngineConfig
 from gapless.engine.cost_model import plan_features
@@ -35,6 +35,11 @@ from gapless.model.tokenizer import Tokenizer
 from gapless.model.vision import VisionLanguageModel
 
 log = logging.getLogger("gapless.engine")
+
+NOT_A_SCORER = (
+    "this model does not score pairs: serve a *ForSequenceClassification checkpoint, or a "
+    "yes/no reranker such as Qwen3-Reranker with --reranker"
+)
 
 
 class EngineFailed(RuntimeError):
@@ -61,6 +66,8 @@ class Engine:
         self.decoder = decoder
         self.vision = vision
         self.tokenizer = tokenizer
+        # How it scores rerank and score requests' pairs; None: it does not.
+        self.scorer = scoring.scorer_of(decoder, tokenizer, config.reranker)
         mcfg, scheduling = decoder.config, config.scheduler
         self.runner = runner = runner or builder.kv_runner(decoder, config, draft, vision)
         self.draft = None
@@ -110,6 +117,7 @@ class Engine:
             vision,
             config.limit_mm_per_prompt,
             config.max_image_pixels,
+            generates=decoder.classifier is None,
         )
         eos_ids = tokenizer.eos_token_ids  # read once, with the tokenizer
         self.grammars = GrammarCompiler(tokenizer, mcfg.vocab_size, sorted(eos_ids))
@@ -180,6 +188,14 @@ class Engine:
     def add_embedding(self, prompts: list[str | list[int]], *args: Any, **kwargs: Any) -> str:
         """Intake.add_embedding: queues a request for one embedding per prompt."""
         return self.intake.add_embedding(prompts, *args, **kwargs)
+
+    def add_score(self, pairs: list[list[int]], request_id: str | None = None) -> str:
+        """Queues a score request: one relevance score per pair prompt (Scorer.pair; a
+        rerank's pairs share their query's prefix), each prompt's FinishedEvent carrying its
+        `score`. Refused where the model does not score."""
+        if self.scorer is None:
+            raise RequestError(NOT_A_SCORER, "model", "model_cannot_score")
+        return self.intake.add_score(pairs, self.scorer.pooling, request_id)
 
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> str:
         """Pre-chunking behaviour: the whole prompt prefills in one step, then decodes."""
@@ -395,6 +411,9 @@ class Engine:
             processed = min(computed, len(req.prompt_ids))
             self.emitter.progress(req, processed)
         if computed < req.num_tokens:
+            return []
+        if req.scores:  # its last token's row: a classifier's hidden state, or logits
+            self.emitter.finish(req, "stop", score=self.scorer.score(rows[-1]))  # type: ignore[union-attr]
             return []
         if req.pooling is not None:
             self.emitter.finish(req, "stop", embedding=embedding(req))

@@ -50,6 +50,8 @@ class FinishedEvent:
     index: int = 0  # which of the request's n choices; the request ends when all n have
     # An embedding request's vector (L2-normalized), when it finished with "stop".
     embedding: list[float] | None = None
+    # A score request's relevance score (engine/scoring.py), when it finished with "stop".
+    score: float | None = None
 
 
 Event = ProgressEvent | TokenEvent | FinishedEvent

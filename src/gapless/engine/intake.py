@@ -91,18 +91,55 @@ class Intake:
         """Queues an embedding request: one sequence per prompt under one id. Each prompt
         prefills in chunks beside the running decodes, as any prompt does, then ends, sampling
         nothing: its FinishedEvent (`index` its position in prompts) carries its hidden states
-        after the final norm, pooled (`pooling`, default the engine's) and L2-normalized. A
-        prompt may fill the whole context, as it has no output. Its service class is batch:
-        nobody reads an embedding token by token, and it is often bulk indexing."""
+        after the final norm, pooled (`pooling`, default the engine's) and L2-normalized
+        (_prefill_only says the rest)."""
         pooling = pooling or self.config.pooling
         if pooling not in POOLINGS:
             raise RequestError(f"pooling must be one of {', '.join(POOLINGS)}", "pooling")
         if not prompts:
             raise RequestError("there is no prompt to embed", "prompt", None)
+        sequences = self._prefill_only(prompts, request_id, pooling, progress_callback)
+        self._queue(sequences[0].request_id, sequences, sequences)
+        return sequences[0].request_id
+
+    def add_score(
+        self, pairs: list[list[int]], pooling: str | None, request_id: str | None = None
+    ) -> str:
+        """Queues a score request: one sequence per pair prompt (engine/scoring.py), each
+        prefilled as an embedding's prompt is, then ended with its score in its FinishedEvent
+        (`index` its position in pairs). `pooling`: the scorer's (`last`: a classifier reads
+        the last token's hidden state; None: the yes/no recipe reads its logits).
+
+        A rerank's pairs begin alike (the recipe's preamble and the query): every pair after
+        the first waits to be admitted until the first has computed the tokens they share,
+        and then the prefix cache serves them, so that the query is prefilled once."""
+        if not pairs:
+            raise RequestError("there is no pair to score", "prompt", None)
+        sequences = self._prefill_only(pairs, request_id, pooling, None)
+        first, *others = sequences
+        shared = min((_common_prefix(first.prompt_ids, s.prompt_ids) for s in others), default=0)
+        enough = self.config.scheduler.enable_prefix_cache and shared >= self.config.block_size
+        for seq in sequences:
+            seq.scores = True
+            if enough and seq is not first:
+                seq.prefix_leader, seq.shared_prefix = first, shared
+        self._queue(first.request_id, sequences, sequences)
+        return first.request_id
+
+    def _prefill_only(
+        self,
+        prompts: list[str | list[int]] | list[list[int]],
+        request_id: str | None,
+        pooling: str | None,
+        progress_callback: Callable[[ProgressEvent], None] | None,
+    ) -> list[Request]:
+        """The sequences of a request that prefills its prompts and samples nothing. A prompt
+        may fill the whole context, as it has no output. Its service class is batch: nobody
+        reads it token by token, and it is often bulk work (indexing, reranking)."""
         checked = [self.admission.check_prompt(p, output=False) for p in prompts]
         request_id = request_id or uuid.uuid4().hex
         params = SamplingParams(max_tokens=0, service_class="batch")
-        sequences = [
+        return [
             Request(
                 request_id,
                 list(ids),
@@ -115,8 +152,6 @@ class Intake:
             )
             for i, ids in enumerate(checked)
         ]
-        self._queue(request_id, sequences, sequences)
-        return request_id
 
     def _queue(self, request_id: str, sequences: list[Request], incoming: list[Request]) -> None:
         """Registers a request's sequences under its id; `incoming` start at the next step."""
@@ -218,3 +253,9 @@ class Intake:
     def pending(self) -> bool:
         """Sequences or cancellations wait for the next step."""
         return bool(self._incoming or self._cancels)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)

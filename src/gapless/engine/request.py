@@ -60,6 +60,14 @@ class Request:
     lookup: PromptLookup | None = None  # its proposer, with --speculate ngram
     # An embedding request's pooling (POOLINGS): it samples no token and ends with its prompt.
     pooling: str | None = None
+    # A score request's pair (engine/scoring.py): it ends with the score its scorer reads
+    # from its last token's row (a classifier's, pooled `last`; the yes/no recipe's, logits).
+    scores: bool = False
+    # A pair whose first `shared_prefix` tokens are those of an earlier pair of its request,
+    # `prefix_leader`: it waits to be admitted until that one has computed them, so that the
+    # prefix cache serves them (a query is prefilled once for all of its documents).
+    prefix_leader: Request | None = None
+    shared_prefix: int = 0
     # The prompt's images, in order (admission.py), and for M-RoPE (Qwen2.5-VL) its tokens'
     # (t, h, w) positions [3, prompt length]; None: each token's index.
     images: tuple[PromptImage, ...] = ()
@@ -119,6 +127,16 @@ class Request:
         """Whether the output of every prompt token is read (prompt logprobs, mean pooling):
         then the prefix cache may serve none of the prompt, as cached tokens have no output."""
         return self.params.prompt_logprobs is not None or self.pooling == "mean"
+
+    @property
+    def waits_for_prefix(self) -> bool:
+        """Whether its prefix leader is still to compute the prefix they share."""
+        leader = self.prefix_leader
+        return (
+            leader is not None
+            and leader.state is not RequestState.FINISHED
+            and leader.num_computed < self.shared_prefix
+        )
 
     @property
     def is_decoding(self) -> bool:

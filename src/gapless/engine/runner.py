@@ -51,6 +51,9 @@ class ChunkInput:
 
     @property
     def num_rows(self) -> int:
+        """Its logit rows: none where it reads hidden states instead (no vocabulary product)."""
+        if self.hidden is not None:
+            return 0
         return len(self.token_ids) if self.all_logits else 1
 
     @property
@@ -419,7 +422,7 @@ class ModelRunner:
                 )
             token_ids += chunk.token_ids
             positions += range(start, start + n)
-            logit_rows += range(row, row + n) if chunk.all_logits else [row + n - 1]
+            logit_rows += range(row + n - chunk.num_rows, row + n)
             hidden_rows += range(row + n - chunk.num_hidden_rows, row + n)
             tables = (chunk.block_table, *chunk.window_tables)
             for table, slots, group_spans in zip(tables, write_slots, spans, strict=True):

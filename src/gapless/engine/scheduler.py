@@ -232,7 +232,8 @@ class Scheduler:
 
     def _prompt_candidates(self) -> list[Request]:
         """The prompts that may get tokens this step, in the order they get them: admitted
-        ones still prefilling, then waiting ones, by class, tenant and prefill policy. A
+        ones still prefilling, then waiting ones (but a pair waiting for its prefix leader,
+        Request.waits_for_prefix), by class, tenant and prefill policy. A
         prompt with a chunk in flight that does not complete it may run its next chunk now:
         every stage runs the micro-batches in launch order, so each layer has written the
         chunk before's K/V when it runs this one."""
@@ -244,7 +245,7 @@ class Scheduler:
             and not self.kv.loading(r.kv)
             and r not in self.in_flight.cancelled
         ]
-        candidates += self.waiting
+        candidates += [r for r in self.waiting if not r.waits_for_prefix]
         self.fair_share.order(candidates)
         candidates.sort(
             key=lambda r: (urgency(r), self.fair_share.key(r), self.policy.key(r, self.steps))

@@ -40,6 +40,9 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...]
     torch_dtype: str | None
     bos_token_id: int | None
+    # A sequence classifier's labels (`*ForSequenceClassification`): its checkpoint holds the
+    # head `score.weight` [num_labels, hidden] in place of lm_head. None: a causal LM.
+    num_labels: int | None
 
     @property
     def max_window(self) -> int | None:
@@ -120,6 +123,7 @@ def base_fields(raw: dict, layer_windows: tuple[int | None, ...], **rope: Any) -
         "layer_windows": layer_windows,
         "torch_dtype": raw.get("torch_dtype") or raw.get("dtype"),
         "bos_token_id": raw.get("bos_token_id"),
+        "num_labels": None,  # families.model_config sets a classifier's
         **rope,
     }
 

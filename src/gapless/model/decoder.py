@@ -200,11 +200,14 @@ class Decoder:
         embed_scale: float | None = None,
         logit_softcap: float | None = None,
         stage: Stage | None = None,
+        classifier: torch.Tensor | None = None,
     ) -> None:
         """embed_scale: a factor on the embeddings, in their dtype (Gemma's sqrt(hidden));
         logit_softcap: logits become cap * tanh(logits / cap) (Gemma 2). stage: the pipeline
         stage this decoder is (layers: its own; embed only on the first, lm_head only on the
-        last); config stays the whole model's."""
+        last); config stays the whole model's. classifier: a sequence classifier's head
+        `score.weight`, float32 [num_labels, hidden], which it has in place of lm_head
+        (engine/scoring.py reads it)."""
         self.config = config
         self.kernels = kernels
         head = getattr(lm_head, "weight", None)
@@ -218,6 +221,7 @@ class Decoder:
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
+        self.classifier = classifier
         self.dtype = kernels.dtype
         self.device = kernels.device
         self.parallel = parallel
@@ -318,9 +322,13 @@ class Decoder:
         return x
 
     def _head(self, x: torch.Tensor, batch: BatchInput) -> torch.Tensor:
-        assert self.lm_head is not None  # every decoder's but an earlier pipeline stage's
         if batch.hidden_rows is not None:
             batch.hidden = self.final_norm(x.index_select(0, batch.hidden_rows)).float()
+        if len(batch.logit_rows) == 0 or self.lm_head is None:
+            # Every chunk reads hidden states (embeddings, scores); or a classifier's, which
+            # has no lm_head and generates nothing (Intake refuses it): only the start-up
+            # step's throwaway row asks it for logits.
+            return x.new_zeros(len(batch.logit_rows), self.config.vocab_size, dtype=torch.float32)
         x = self.final_norm(x.index_select(0, batch.logit_rows))
         logits = self.gather_vocab(self.lm_head(x))[:, : self.config.vocab_size].float()
         if self.logit_softcap is not None:

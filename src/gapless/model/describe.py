@@ -50,10 +50,11 @@ def _tensors(decoder: Decoder) -> tuple[int, list[Quantized]]:
     """The bytes of the tensors this process holds for the model (the weights, and small
     buffers such as a layer's rope frequencies), each counted once (tied ones share a
     tensor), and its quantized weights: all that is reachable from the decoder's embedding,
-    layers and head."""
+    layers and head (a classifier's)."""
     seen: set[int] = set()
     total, quantized = 0, []
-    todo: list[Any] = [decoder.embed, decoder.final_norm, decoder.lm_head, *decoder.layers]
+    todo: list[Any] = [decoder.embed, decoder.final_norm, decoder.lm_head, decoder.classifier]
+    todo += decoder.layers
     while todo:
         obj = todo.pop()
         if obj is None or id(obj) in seen:

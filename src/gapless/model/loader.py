@@ -180,8 +180,12 @@ def build_decoder(
     weights = Weights(w, kernels, quantize)
     body = family.build(build_cfg, weights)
     embed = w.pop("model.embed_tokens.weight", None)
-    lm_head = None
-    if stage is None or stage.last:
+    lm_head = classifier = None
+    if cfg.num_labels is not None:
+        if stage is not None or parallel is not None:
+            raise WeightError("a sequence classifier runs on one rank: no tensor or pipeline split")
+        classifier = w.pop("score.weight").float()
+    elif stage is None or stage.last:
         # A tied lm_head that is quantized gets its own quantized copy of the embeddings.
         lm_head = kernels.lm_head(
             weights.quantized(embed if cfg.tie_word_embeddings else w.pop("lm_head.weight"))
@@ -203,4 +207,5 @@ def build_decoder(
         body.embed_scale,
         body.logit_softcap,
         stage,
+        classifier,
     )

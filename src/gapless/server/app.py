@@ -36,6 +36,7 @@ from gapless.server import (
     openai_completions,
     openai_embeddings,
     protocol,
+    rerank,
     responses,
     tokenization,
 )
@@ -79,6 +80,7 @@ DIALECTS = (
             *openai_chat.ROUTES,
             *openai_completions.ROUTES,
             *openai_embeddings.ROUTES,
+            *rerank.ROUTES,
             *responses.ROUTES,
             *tokenization.ROUTES,
         ],

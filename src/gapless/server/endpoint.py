@@ -316,11 +316,13 @@ async def embed(
     state: ServerState,
     names: FieldNames,
     parse: Callable[[], E],
-    renderer: Callable[[E, str], EmbeddingRenderer],
+    renderer: Callable[[E, str], Renderer],
+    score: bool = False,
 ) -> EngineResponse:
     """As generate(), for an embedding request: every input is a sequence of one engine
     request, prefilled beside the running decodes; the response, once all have finished,
-    holds their vectors."""
+    holds their vectors. With `score`, the inputs are pair prompts, and the response holds
+    their scores (rerank.py)."""
     parsed = await parse_off_loop(names, parse)
     if state.draining:
         raise draining_error()
@@ -329,7 +331,8 @@ async def embed(
     tenant = _admit_caller(state, sum(map(len, parsed.prompts)))
     try:
         with admission_errors(names):
-            events = state.async_engine.embed(parsed.prompts, request_id)
+            submit = state.async_engine.score if score else state.async_engine.embed
+            events = submit(parsed.prompts, request_id)
     except BaseException:
         _caller_ended(state, tenant)
         raise

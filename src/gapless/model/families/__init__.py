@@ -27,6 +27,7 @@ module here, listed in FAMILIES, and its parity test against transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import ModuleType
@@ -78,10 +79,29 @@ def family_of(architecture: str | None) -> ModuleType:
     raise ConfigError(f"unsupported architecture {architecture!r}; supported: {', '.join(names)}")
 
 
+# Sequence classifiers on a family's decoder (a reranker's cross-encoder head): architecture ->
+# the causal LM whose layers they run. Their config is that LM's, with num_labels set.
+CLASSIFIERS = {
+    f"{name}ForSequenceClassification": f"{name}ForCausalLM" for name in ("Llama", "Qwen2", "Qwen3")
+}
+
+
 def model_config(raw: dict) -> ModelConfig:
     """The config of the family that reads raw's architecture (its ModelConfig subclass)."""
     architectures = raw.get("architectures") or []
-    return family_of(architectures[0] if architectures else None).config(raw)
+    architecture = architectures[0] if architectures else None
+    decoder = CLASSIFIERS.get(architecture)  # type: ignore[arg-type]
+    if decoder is None:
+        return family_of(architecture).config(raw)
+    # transformers writes a classifier's labels as id2label (num_labels is derived from it).
+    num_labels = raw.get("num_labels") or len(raw.get("id2label") or {}) or 2
+    if num_labels != 1:
+        raise ConfigError(
+            f"{architecture} with {num_labels} labels: only a one-label head (a relevance "
+            "score, as rerankers have) is served"
+        )
+    cfg = family_of(decoder).config(raw | {"architectures": [decoder]})
+    return dataclasses.replace(cfg, num_labels=num_labels)
 
 
 def read_config_json(path: str | Path) -> ModelConfig:

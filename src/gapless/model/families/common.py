@@ -53,10 +53,13 @@ SHARD_COLUMNS = {"self_attn.o_proj": "q", "mlp.down_proj": "mlp"}
 
 def model_shapes(cfg: ModelConfig, layer: Shapes) -> Shapes:
     """Every tensor of a decoder whose layers hold `layer` (names under model.layers.{i}.):
-    embeddings, final norm, and lm_head unless tied."""
+    embeddings, final norm, and lm_head unless tied (a classifier: its head `score` instead,
+    as transformers' *ForSequenceClassification holds it)."""
     h = cfg.hidden_size
     shapes: Shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_word_embeddings:
+    if cfg.num_labels is not None:
+        shapes["score.weight"] = (cfg.num_labels, h)
+    elif not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for i in range(cfg.num_layers):
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
