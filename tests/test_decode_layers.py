@@ -19,6 +19,7 @@ from test_model import ModelRunner, Seq, prompt
 
 from gapless.bench.gguf_files import write_gguf
 from gapless.engine.plan import ScheduledChunk
+from gapless.engine.sampling_params import SamplingParams
 from gapless.kernels import blocks, paged
 from gapless.kernels.decode_layers import DecodeLayers
 from gapless.kernels.extensions import GGUF_BLOCKS, LEVELS, PAGED_ATTENTION
@@ -26,12 +27,14 @@ from gapless.kernels.machine import machine
 from gapless.model.gguf import load_gguf
 
 # The families the call covers, with a config that gives each its quirks: qwen2's biases,
-# qwen3's q/k norms, mistral's window (shorter than the sequences below).
+# qwen3's q/k norms, mistral's window (shorter than the sequences below), gemma3's four
+# norms, GELU, two ropes, and local layers in a KV group of their own.
 ARCHS = {
     "llama": GGUF_ARCHS["llama"],
     "qwen2": {},
     "qwen3": {"head_dim": 64},  # whole K-quant blocks in o's rows too
     "mistral": {"sliding_window": 24},
+    "gemma3": {"head_dim": 64, "query_pre_attn_scalar": 64},
 }
 LAYOUTS = {
     "q4_0-interleaved": (QType.Q4_0, None),
@@ -192,7 +195,7 @@ def test_a_family_the_call_does_not_cover_says_why(gguf_path, checkpoint, tmp_pa
         load_gguf(gguf_path("llama", "q4_0-interleaved"))
     lines = [r.getMessage() for r in caplog.records if "decode steps' layers" in r.getMessage()]
     assert lines == [
-        "kernels: decode steps' layers on torch ops (gemma3.Layer gives no decode spec)",
+        "kernels: decode steps' layers on torch ops (attention soft-capping (Gemma 2))",
         "kernels: decode steps' layers in one native call",
     ]
 
@@ -204,3 +207,43 @@ def test_a_float32_safetensors_run_keeps_the_ops(checkpoint):
     assert decoder.decode_layers is None  # its linears are dense, not GGUF blocks
     specs = [layer.decode_spec() for layer in decoder.layers]
     assert DecodeLayers.build(specs, decoder.kernels) == "PackedLinear is not on GGUF blocks"
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_an_engine_decodes_the_same_tokens_and_logprobs_on_the_call(gguf_path, arch):
+    # The engine's runner keeps the local layers' K/V in a KV group of their own (gemma3's
+    # sliding layers; mistral's window is every layer's, one group).
+    from gapless.engine.config import EngineConfig
+    from gapless.engine.engine import Engine
+    from gapless.engine.events import TokenEvent
+
+    engine = Engine.from_pretrained(
+        gguf_path(arch, "q4_k_m-stacked"), EngineConfig.of(speculate="none")
+    )
+    require_our_kernels(engine.decoder.kernels.gguf_blocks, "our GGUF block kernels")
+    assert bool(engine.runner.window_blocks) == (arch == "gemma3")
+    fused = engine.decoder.decode_layers
+    assert fused is not None
+    calls = []
+    run_layers = fused.run
+    fused.run = lambda x, *args: calls.append(x.shape[0]) or run_layers(x, *args)  # type: ignore[method-assign]
+
+    def run() -> dict[str, list]:
+        for i, n in enumerate((40, 23, 31)):
+            engine.add_request(
+                prompt(n, seed=n),
+                SamplingParams(max_tokens=12, temperature=0.0, logprobs=2),
+                str(i),
+            )
+        out: dict[str, list] = {str(i): [] for i in range(3)}
+        while engine.has_work:
+            for event in engine.step():
+                if isinstance(event, TokenEvent):
+                    out[event.request_id] += event.logprobs or []
+        return out
+
+    got = run()
+    assert calls.count(3) >= 10, "the decode steps took the call"
+    engine.decoder.decode_layers = None
+    assert run() == got
+    assert all(len(v) == 12 for v in got.values())

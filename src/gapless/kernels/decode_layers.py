@@ -13,7 +13,7 @@ block kernels' row limit, with no sliding-window KV group: prompt chunks keep th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,11 +30,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class DecodeSpec:
-    """A pre-norm layer with a SwiGLU MLP, as the call takes it. rope: the layer's rotary
-    embedding (any object the decoder's step rotates by; one for every layer)."""
+    """A pre-norm layer with a gated MLP, as the call takes it: Llama's, or with its quirks
+    set, Gemma 3's. rope: the layer's rotary embedding, any object the decoder's step rotates
+    by (layers that share one share its rotation); window: its attention window, whose KV group
+    the step's plans say."""
 
     input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    mlp_norm: torch.Tensor
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     qkv: Linear
@@ -48,6 +50,15 @@ class DecodeSpec:
     window: int | None
     eps: float
     rope: object
+    # Gemma's: norms of attention's and the MLP's outputs before each residual add, and GELU
+    # (tanh-approximated) for silu.
+    attention_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    gelu: bool = False
+
+
+def _float(norm: torch.Tensor | None) -> torch.Tensor | None:
+    return None if norm is None else norm.float().contiguous()
 
 
 def _product(linear: Linear, rows: int) -> object | str:
@@ -69,10 +80,12 @@ def _product(linear: Linear, rows: int) -> object | str:
 
 @dataclass
 class DecodeLayers:
-    """The native layers of a decoder, and the rope every one of them rotates by."""
+    """The native layers of a decoder: the rotations they take (ropes) and the windows whose
+    KV groups they attend in (windows), by the index each layer has of them."""
 
     stack: object  # csrc's DecodeStack
-    rope: object
+    ropes: list[object]
+    windows: list[int | None]
     max_rows: int
 
     @staticmethod
@@ -85,10 +98,9 @@ class DecodeLayers:
             return "our kernels are off"
         if kernels.dtype != torch.float32 or kernels.attention_dtype not in paged.QUERY_DTYPES:
             return f"a {kernels.dtype} run"
-        specs = list(specs)  # type: ignore[assignment]
-        if len({id(s.rope) for s in specs}) > 1:  # type: ignore[union-attr]
-            return "layers with different rotations"
         rows = kernels.gguf_gemv_max_rows
+        ropes: list[object] = []
+        windows: list[int | None] = []
         layers = []
         for s in specs:
             assert isinstance(s, DecodeSpec)
@@ -97,45 +109,72 @@ class DecodeLayers:
             products = [_product(p, rows) for p in (s.qkv, s.o, s.gate, s.up, s.down)]
             if reason := next((p for p in products if isinstance(p, str)), None):
                 return reason
-            norms = [n.float().contiguous() for n in (s.input_norm, s.post_norm)]
-            qk_norms = [None if n is None else n.float().contiguous() for n in (s.q_norm, s.k_norm)]
+            if not any(r is s.rope for r in ropes):
+                ropes.append(s.rope)
+            if s.window not in windows:
+                windows.append(s.window)
+            qkv, o, gate, up, down = products
             layers.append(
                 ext.DecodeLayer(
-                    *norms,
-                    *qk_norms,
-                    *products,
-                    s.heads,
-                    s.kv_heads,
-                    s.head_dim,
-                    s.window or 0,
-                    s.eps,
+                    input_norm=_float(s.input_norm),
+                    mlp_norm=_float(s.mlp_norm),
+                    q_norm=_float(s.q_norm),
+                    k_norm=_float(s.k_norm),
+                    attention_out_norm=_float(s.attention_out_norm),
+                    mlp_out_norm=_float(s.mlp_out_norm),
+                    qkv=qkv,
+                    o=o,
+                    gate=gate,
+                    up=up,
+                    down=down,
+                    heads=s.heads,
+                    kv_heads=s.kv_heads,
+                    head_dim=s.head_dim,
+                    window=s.window or 0,
+                    eps=s.eps,
+                    gelu=s.gelu,
+                    rotation=next(i for i, r in enumerate(ropes) if r is s.rope),
+                    group=windows.index(s.window),
                 )
             )
         entry = attention.paged_attention_entry()
         stack = ext.DecodeStack(layers, entry, kernels.attention_dtype)
-        return DecodeLayers(stack, specs[0].rope, rows)  # type: ignore[union-attr]
+        return DecodeLayers(stack, ropes, windows, rows)
 
-    def takes(self, plans: list, windows: dict, rows: int) -> bool:
-        """Whether a step of these attention plans and window groups runs here: decodes
-        only, one plan, no window group of their own (kernels' switch read per call)."""
-        if len(plans) != 1 or windows or rows > self.max_rows:
+    def _groups(
+        self, write_slots: torch.Tensor, plans: list, windows: dict
+    ) -> list[tuple[torch.Tensor, list]]:
+        """Each window's slots and plans: its KV group's, else the batch's."""
+        return [windows.get(w, (write_slots, plans)) for w in self.windows]
+
+    def takes(self, write_slots: torch.Tensor, plans: list, windows: dict) -> bool:
+        """Whether a step of these slots, attention plans and window groups runs here:
+        decodes only, each group's in one paged plan (kernels' switch read per call)."""
+        rows = write_slots.shape[0]
+        if rows > self.max_rows or not switched_on():
             return False
-        plan = plans[0]
-        return (
-            isinstance(plan, PagedPlan)
+        return all(
+            len(group_plans) == 1
+            and isinstance(plan := group_plans[0], PagedPlan)
             and plan.last_keys is None
             and plan.key_blocks.shape[0] == rows
-            and switched_on()
+            for _, group_plans in self._groups(write_slots, plans, windows)
         )
 
     def run(
         self,
         x: torch.Tensor,
         kv_cache: list[KVCache],
-        slots: torch.Tensor,
-        plan: PagedPlan,
-        rotation: tuple[torch.Tensor, torch.Tensor],
+        write_slots: torch.Tensor,
+        plans: list,
+        windows: dict,
+        rotation: Callable[[object], tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """x [T, hidden] through every layer, in place; their K/V written at slots."""
-        self.stack.run(x, kv_cache, slots, plan.key_blocks, plan.num_keys, *rotation)  # type: ignore[attr-defined]
+        """x [T, hidden] through every layer, in place; their K/V written at their groups'
+        slots. rotation: a rope's cos and signed sin for the step's positions."""
+        groups = [
+            (slots, group_plans[0].key_blocks, group_plans[0].num_keys)
+            for slots, group_plans in self._groups(write_slots, plans, windows)
+        ]
+        self.stack.run(x, kv_cache, groups, [rotation(r) for r in self.ropes])  # type: ignore[attr-defined]
         return x

@@ -270,10 +270,9 @@ class Decoder:
             x = self._embed(batch)
         else:
             x = stage.receive_hidden(len(batch.token_ids), cfg.hidden_size, self.dtype)
-        fused, rows = self.decode_layers, len(batch.token_ids)
-        if fused is not None and fused.takes(batch.attention, batch.windows, rows):
-            rotation = step.rotation(fused.rope)  # type: ignore[arg-type]
-            x = fused.run(x, kv_cache, batch.write_slots, batch.attention[0], rotation)  # type: ignore[arg-type]
+        fused, plans = self.decode_layers, (batch.write_slots, batch.attention, batch.windows)
+        if fused is not None and fused.takes(*plans):
+            x = fused.run(x, kv_cache, *plans, step.rotation)  # type: ignore[arg-type]
         else:
             for layer, cache in zip(self.layers, kv_cache, strict=True):
                 x = layer.forward(x, step, cache)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from gapless.kernels import Linear
+from gapless.kernels.decode_layers import DecodeSpec
 from gapless.kernels.plans import KVCache
 from gapless.kernels.quant import Quantized
 from gapless.model.config import ConfigError, ModelConfig, base_fields, check_activation, parse_rope
@@ -186,15 +187,53 @@ class Layer:
             q, k = self.q_norm(q), self.k_norm(k)
         qk = apply_rope(torch.cat((q, k), dim=1), *step.rotation(self.rope))
         q, k = qk[:, :heads], qk[:, heads:]
-        # Attention scales scores by head_dim ** -0.5; Gemma's by query_pre_attn_scalar ** -0.5.
-        scale = (head_dim / cfg.query_pre_attn_scalar) ** 0.5
-        if scale != 1.0:
+        if (scale := self.query_scale) != 1.0:
             q = q * scale
         attn = step.attend(q, k, v, kv_cache, self.window, self.attn_softcap)
         x = x + self.post_attention_norm(step.all_reduce(self.o(attn)))
         h = self.pre_feedforward_norm(x)
         mlp = self.down(self.up.times(h, F.gelu(self.gate(h), approximate="tanh")))
         return x + self.post_feedforward_norm(step.all_reduce(mlp))
+
+    @property
+    def query_scale(self) -> float:
+        """A factor on the rotated queries: attention scales scores by head_dim ** -0.5,
+        Gemma's by query_pre_attn_scalar ** -0.5."""
+        return (self.cfg.head_dim / self.cfg.query_pre_attn_scalar) ** 0.5
+
+    def decode_spec(self) -> DecodeSpec | str:
+        """This layer as a decode step's one native call takes it, or why it cannot."""
+        cfg = self.cfg
+        if self.attn_softcap is not None:
+            return "attention soft-capping (Gemma 2)"
+        if self.q_norm is None or self.k_norm is None:
+            return "a Gemma layer without q/k norms"
+        if self.query_scale != 1.0:  # GGUF files' is 1: llama.cpp reads head_dim
+            return "a query_pre_attn_scalar other than head_dim"
+        norms = (self.input_norm, self.q_norm, self.post_attention_norm)
+        eps = {n.eps for n in (*norms, self.pre_feedforward_norm, self.post_feedforward_norm)}
+        if len(eps) > 1:
+            return "norms with different epsilons"
+        return DecodeSpec(
+            input_norm=self.input_norm.weight,
+            mlp_norm=self.pre_feedforward_norm.weight,
+            q_norm=self.q_norm.weight,
+            k_norm=self.k_norm.weight,
+            qkv=self.qkv,
+            o=self.o,
+            gate=self.gate,
+            up=self.up,
+            down=self.down,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            window=self.window,
+            eps=eps.pop(),
+            rope=self.rope,
+            attention_out_norm=self.post_attention_norm.weight,
+            mlp_out_norm=self.post_feedforward_norm.weight,
+            gelu=True,
+        )
 
 
 def build(cfg: Gemma3Config, w: Weights) -> Body:

@@ -182,21 +182,21 @@ class Layer(PreNormLayer):
             return "attention sinks"
         cfg = self.cfg
         return DecodeSpec(
-            self.input_norm,
-            self.post_norm,
-            self.q_norm,
-            self.k_norm,
-            self.qkv,
-            self.o,
-            self.gate,
-            self.up,
-            self.down,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            self.window,
-            cfg.rms_norm_eps,
-            self.rope,
+            input_norm=self.input_norm,
+            mlp_norm=self.post_norm,
+            q_norm=self.q_norm,
+            k_norm=self.k_norm,
+            qkv=self.qkv,
+            o=self.o,
+            gate=self.gate,
+            up=self.up,
+            down=self.down,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            window=self.window,
+            eps=cfg.rms_norm_eps,
+            rope=self.rope,
         )
 
 
