@@ -148,17 +148,16 @@ def build_app(state: ServerState) -> Starlette:
         error = protocol.server_error(f"{type(exc).__name__}: {exc}")
         return error_response(error, error_bodies.get(request.url.path, openai_common.error_body))
 
-    if state.batch_store is not None:
-        state.batch_jobs = BatchJobs(state, state.batch_store)
+    jobs = None if state.batch_store is None else BatchJobs(state, state.batch_store)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.async_engine.start()
-        if state.batch_jobs is not None:
-            await state.batch_jobs.resume()  # the jobs a stopped server left unfinished
+        if jobs is not None:
+            await jobs.resume()  # the jobs a stopped server left unfinished
         yield
-        if state.batch_jobs is not None:
-            await state.batch_jobs.stop()
+        if jobs is not None:
+            await jobs.stop()
 
     app = Starlette(
         routes=routes,
@@ -166,6 +165,7 @@ def build_app(state: ServerState) -> Starlette:
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
     app.state.live_feed = feed
+    app.state.batch_jobs = jobs  # openai_batches starts and cancels them
     return app
 
 

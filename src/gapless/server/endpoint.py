@@ -20,7 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import anyio
@@ -41,9 +41,6 @@ from gapless.server.response_store import ResponseStore
 from gapless.server.settings import ServerSettings
 from gapless.server.streaming import Renderer, json_body, stream_body
 from gapless.server.tenants import CALLER, OverLimit, Tenant, Tenants
-
-if TYPE_CHECKING:  # batch_jobs runs lines through the endpoints, which import this module
-    from gapless.server.batch_jobs import BatchJobs
 
 log = logging.getLogger("gapless.server")
 
@@ -68,12 +65,11 @@ class ServerState:
     ) -> None:
         """tenants: --api-keys' (then every API request needs one of its keys); warming: the
         start-up step's (GaplessServer's); batch_store: --data-dir's, for the Files and
-        Batches API (app.py runs its jobs: batch_jobs)."""
+        Batches API (app.py runs its jobs, as the app's `batch_jobs`)."""
         self.engine = engine
         self.warming = warming
         self.tenants = tenants
         self.batch_store = batch_store
-        self.batch_jobs: BatchJobs | None = None
         self.async_engine = AsyncEngine(engine, thread)
         self.settings = settings
         self.created = protocol.now()

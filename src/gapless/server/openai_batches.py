@@ -48,10 +48,10 @@ def batch_object(batch: StoredBatch) -> dict[str, Any]:
     }
 
 
-def _jobs(state: ServerState) -> BatchJobs:
+def _jobs(state: ServerState, request: Request) -> BatchJobs:
     store(state)  # the 400 where the server keeps no jobs
-    assert state.batch_jobs is not None, "app.py runs them wherever there is a store"
-    return state.batch_jobs
+    jobs: BatchJobs = request.app.state.batch_jobs  # app.py's, wherever there is a store
+    return jobs
 
 
 def _metadata(body: dict[str, Any]) -> dict[str, str] | None:
@@ -85,7 +85,7 @@ def _required(body: dict[str, Any], name: str, choices: tuple[str, ...] | None =
 
 
 async def create(state: ServerState, request: Request) -> Response:
-    jobs = _jobs(state)
+    jobs = _jobs(state, request)
     body = await read_json(state, request)
     input_file_id = _required(body, "input_file_id")
     endpoint = _required(body, "endpoint", tuple(ENDPOINTS))
@@ -134,7 +134,7 @@ async def list_batches(state: ServerState, request: Request) -> Response:
 
 async def cancel(state: ServerState, request: Request) -> Response:
     batch = await _batch(state, request.path_params["batch_id"])
-    if not await _jobs(state).cancel(batch.id):
+    if not await _jobs(state, request).cancel(batch.id):
         raise APIError(
             409,
             f"batch {batch.id} is {batch.status}: only a validating or in-progress job can be "
