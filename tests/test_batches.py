@@ -317,12 +317,24 @@ def test_a_job_is_its_tenants_and_runs_within_its_limits(llama_dir: Path, tmp_pa
     keys = tmp_path / "keys.json"
     tenants = {"sk-acme": {"tenant": "acme", "max_in_flight": 1}, "sk-zeta": {"tenant": "zeta"}}
     keys.write_text(json.dumps({"keys": tenants}))
-    store = BatchStore(tmp_path / "data")
+    store, served = BatchStore(tmp_path / "data"), Tenants(keys)
     settings = ServerSettings(MODEL, api_keys=str(keys), batch_lines_in_flight=4)
     try:
-        with running_server(llama_dir, settings, tenants=Tenants(keys), batch_store=store) as s:
+        with running_server(llama_dir, settings, tenants=served, batch_store=store) as s:
             acme = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sk-acme", max_retries=0)
             zeta = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sk-zeta", max_retries=0)
+            # Without a limit of its own, a job has --batch-lines-in-flight lines in flight.
+            upload = zeta.files.create(
+                file=("in.jsonl", jsonl([chat_line(f"z{i}", 64) for i in range(12)])),
+                purpose="batch",
+            )
+            job = zeta.batches.create(
+                input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            seen = []
+            while not finished(zeta.batches.retrieve(job.id)):
+                seen.append(served.in_flight("zeta"))
+            assert max(seen) == 4
             # Four lines in flight at most, one request in flight for acme: the other three
             # wait for their turn (429s, retried), and all finish.
             batch = run_job(acme, [chat_line(f"t{i}") for i in range(4)])
@@ -332,7 +344,7 @@ def test_a_job_is_its_tenants_and_runs_within_its_limits(llama_dir: Path, tmp_pa
                 zeta.batches.retrieve(batch.id)
             with pytest.raises(openai.NotFoundError):
                 zeta.files.content(batch.output_file_id)
-            assert zeta.batches.list().data == []
+            assert [b.id for b in zeta.batches.list()] == [job.id]  # not acme's
     finally:
         store.close()
 

@@ -195,9 +195,10 @@ class BatchJobs:
     async def _run_lines(self, batch: StoredBatch) -> None:
         """Runs the job's pending lines until none is left, or the server drains."""
         endpoint, tenant = ENDPOINTS[batch.endpoint], self._tenant(batch.owner)
-        # This job's lines started and not ended: those waiting for a slot included, so that
-        # a long job is never all in memory at once.
-        room = anyio.Semaphore(self.lines_in_flight)
+        # This job's lines started and not ended, bounded so that a long job is never all in
+        # memory at once; twice the slots, so that lines wait for a slot while others write
+        # their results, and the engine always has its share of the job.
+        room = anyio.Semaphore(2 * self.lines_in_flight)
         async with anyio.create_task_group() as lines:
             async for line in self._pending(batch.id):
                 await room.acquire()
