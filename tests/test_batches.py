@@ -396,3 +396,30 @@ def test_a_job_killed_mid_way_resumes_on_restart_and_does_each_line_once(
     assert sorted(line["custom_id"] for line in out) == sorted(f"r{i}" for i in range(24))
     after = _done_lines(data_dir, batch.id)
     assert all(after[line] == result for line, result in before.items())  # not done again
+
+
+def test_a_job_stopped_by_sigterms_drain_resumes_with_its_lines_left(llama_dir: Path, tmp_path):
+    store = BatchStore(tmp_path / "data")
+    settings = ServerSettings(MODEL, batch_lines_in_flight=2, shutdown_grace_s=0.2)
+    lines = [chat_line(f"d{i}", max_tokens=48) for i in range(24)]
+    try:
+        with running_server(llama_dir, settings, batch_store=store) as first:
+            client = openai.OpenAI(base_url=f"{first.url}/v1", api_key="-", max_retries=0)
+            upload = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+            batch = client.batches.create(
+                input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            wait_for(client, batch.id, lambda b: b.request_counts and b.request_counts.completed)
+        # The drain (what SIGTERM starts) cancelled the running lines: none of them is
+        # written as failed, and the job waits for the next server.
+        before = _done_lines(tmp_path / "data", batch.id)
+        assert 1 <= len(before) < 24
+        assert all('"status_code": 200' in result for result in before.values())
+        with running_server(llama_dir, settings, batch_store=store) as second:
+            client = openai.OpenAI(base_url=f"{second.url}/v1", api_key="-", max_retries=0)
+            done = wait_for(client, batch.id, finished)
+            assert done.request_counts.model_dump() == {"total": 24, "completed": 24, "failed": 0}
+            out = lines_of(client, done.output_file_id)
+        assert sorted(line["custom_id"] for line in out) == sorted(f"d{i}" for i in range(24))
+    finally:
+        store.close()
