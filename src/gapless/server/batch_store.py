@@ -1,7 +1,7 @@
 """Uploaded files, batch jobs and each job's lines, in SQLite under --data-dir.
 
 One database file, `batches.sqlite`, holds it all: a file's bytes in 1 MiB chunks, a job's
-row with its status and timestamps, and one row per line of its input with the line's request
+row with its status and timestamps, and one row per line of its input with its request's body
 and, once the line is done, its output or error line. A line's result is written by the one
 statement that marks it done, so a server killed at any moment has lost only lines that were
 not done, and does each line once. A job's counts are counted from its lines: nothing else
@@ -251,13 +251,16 @@ class BatchStore:
         ).fetchall()
         return [StoredFile(**row) for row in rows]
 
-    @off_loop
-    def chunk(self, file_id: str, n: int) -> bytes | None:
-        """The file's nth chunk of its bytes; None past the last."""
+    def _chunk(self, file_id: str, n: int) -> bytes | None:
         row = self._db.execute(
             "SELECT data FROM file_chunks WHERE file_id = ? AND n = ?", (file_id, n)
         ).fetchone()
         return None if row is None else row["data"]
+
+    @off_loop
+    def chunk(self, file_id: str, n: int) -> bytes | None:
+        """The file's nth chunk of its bytes; None past the last."""
+        return self._chunk(file_id, n)
 
     @off_loop
     def delete_file(self, file_id: str, owner: str) -> bool:
@@ -406,12 +409,10 @@ class BatchStore:
 
     def _chunks(self, file_id: str) -> Iterator[bytes]:
         for n in itertools.count():
-            row = self._db.execute(
-                "SELECT data FROM file_chunks WHERE file_id = ? AND n = ?", (file_id, n)
-            ).fetchone()
-            if row is None:
+            data = self._chunk(file_id, n)
+            if data is None:
                 return
-            yield row["data"]
+            yield data
 
     @off_loop
     def pending(self, batch_id: str, after: int, limit: int) -> list[PendingLine]:
