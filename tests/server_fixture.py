@@ -23,6 +23,7 @@ import httpx
 from gapless.engine.config import EngineConfig
 from gapless.engine.engine import Engine
 from gapless.server.app import GaplessServer
+from gapless.server.batch_store import BatchStore
 from gapless.server.settings import ServerSettings
 from gapless.server.tenants import Tenants
 
@@ -65,15 +66,23 @@ def running_server(
     send_buffer: int | None = None,
     tenants: Tenants | None = None,
     warming: Future | None = None,
+    batch_store: BatchStore | None = None,
     **engine_fields: Any,
 ) -> Iterator[RunningServer]:
     """send_buffer: SO_SNDBUF of the listening socket, which its connections inherit (the
     kernel's own buffers then fill sooner for a client that does not read); warming: as
-    GaplessServer's, /health is 503 until it is done."""
+    GaplessServer's, /health is 503 until it is done; batch_store: as GaplessServer's."""
     fields = {"dtype": "float32", "device": "cpu", **engine_fields}
     engine = Engine.from_pretrained(model_dir, EngineConfig.of(**fields))
     settings = settings or ServerSettings(MODEL)
-    server = GaplessServer(engine, settings, log_level="warning", tenants=tenants, warming=warming)
+    server = GaplessServer(
+        engine,
+        settings,
+        log_level="warning",
+        tenants=tenants,
+        warming=warming,
+        batch_store=batch_store,
+    )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     if send_buffer is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)

@@ -31,15 +31,19 @@ from gapless.server import (
     anthropic,
     live,
     ollama,
+    openai_batches,
     openai_chat,
     openai_common,
     openai_completions,
     openai_embeddings,
+    openai_files,
     protocol,
     rerank,
     responses,
     tokenization,
 )
+from gapless.server.batch_jobs import BatchJobs
+from gapless.server.batch_store import BatchStore
 from gapless.server.endpoint import (
     ErrorBody,
     Handler,
@@ -81,6 +85,8 @@ DIALECTS = (
             *openai_completions.ROUTES,
             *openai_embeddings.ROUTES,
             *rerank.ROUTES,
+            *openai_files.ROUTES,
+            *openai_batches.ROUTES,
             *responses.ROUTES,
             *tokenization.ROUTES,
         ],
@@ -144,10 +150,16 @@ def build_app(state: ServerState) -> Starlette:
         error = protocol.server_error(f"{type(exc).__name__}: {exc}")
         return error_response(error, error_bodies.get(request.url.path, openai_common.error_body))
 
+    jobs = None if state.batch_store is None else BatchJobs(state, state.batch_store)
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state.async_engine.start()
+        if jobs is not None:
+            await jobs.resume()  # the jobs a stopped server left unfinished
         yield
+        if jobs is not None:
+            await jobs.stop()
 
     app = Starlette(
         routes=routes,
@@ -155,6 +167,7 @@ def build_app(state: ServerState) -> Starlette:
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
     app.state.live_feed = feed
+    app.state.batch_jobs = jobs  # openai_batches starts and cancels them
     return app
 
 
@@ -191,11 +204,13 @@ class GaplessServer:
         engine_thread: ThreadPoolExecutor | None = None,
         tenants: Tenants | None = None,
         warming: Future | None = None,
+        batch_store: BatchStore | None = None,
     ) -> None:
         """engine_thread: the thread the engine was loaded on (async_engine.engine_thread);
         tenants: --api-keys' (read before the model loads, so a bad file stops the start);
-        warming: the start-up step's, queued on that thread (/health is 503 until it is done)."""
-        self.state = ServerState(engine, settings, engine_thread, tenants, warming)
+        warming: the start-up step's, queued on that thread (/health is 503 until it is done);
+        batch_store: --data-dir's (opened before the model loads, as tenants are)."""
+        self.state = ServerState(engine, settings, engine_thread, tenants, warming, batch_store)
         self.app = build_app(self.state)
         config = uvicorn.Config(
             self.app,

@@ -85,6 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
     from gapless.model.gguf import is_gguf, model_name
     from gapless.model.parallel import ShardError
     from gapless.server.app import GaplessServer
+    from gapless.server.batch_store import BatchStore, DataDirError
     from gapless.server.tenants import Tenants
 
     if args.model is None:
@@ -125,6 +126,13 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("bad option: %s", e)
         return 2
+    # Rank 0 alone serves and keeps --data-dir; before the model loads, a directory that
+    # cannot be used (unwritable, or another server's) stops the start.
+    try:
+        batch_store = BatchStore(settings.data_dir) if settings.data_dir is not None else None
+    except DataDirError as e:
+        log.error("%s", e)
+        return 2
     thread = engine_thread()  # loads the engine, then steps it
     try:
         engine = thread.submit(Engine.from_pretrained, model_dir, config, group).result()
@@ -145,7 +153,15 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_name(engine.runner.kv_cache_dtype),
     )
     server = GaplessServer(
-        engine, settings, args.host, args.port, args.log_level, thread, tenants, warming
+        engine,
+        settings,
+        args.host,
+        args.port,
+        args.log_level,
+        thread,
+        tenants,
+        warming,
+        batch_store,
     )
     return server.run()
 

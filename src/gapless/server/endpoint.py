@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
+from urllib.parse import urlsplit
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
@@ -34,6 +35,7 @@ from gapless.engine.events import Event, TokenEvent
 from gapless.engine.sampling_params import SamplingParams, SamplingParamsError
 from gapless.model.describe import ModelDescription, describe
 from gapless.server import protocol
+from gapless.server.batch_store import BatchStore
 from gapless.server.protocol import APIError
 from gapless.server.response_store import ResponseStore
 from gapless.server.settings import ServerSettings
@@ -59,12 +61,15 @@ class ServerState:
         thread: ThreadPoolExecutor | None = None,
         tenants: Tenants | None = None,
         warming: Future | None = None,
+        batch_store: BatchStore | None = None,
     ) -> None:
         """tenants: --api-keys' (then every API request needs one of its keys); warming: the
-        start-up step's (GaplessServer's)."""
+        start-up step's (GaplessServer's); batch_store: --data-dir's, for the Files and
+        Batches API (app.py runs its jobs, as the app's `batch_jobs`)."""
         self.engine = engine
         self.warming = warming
         self.tenants = tenants
+        self.batch_store = batch_store
         self.async_engine = AsyncEngine(engine, thread)
         self.settings = settings
         self.created = protocol.now()
@@ -134,14 +139,36 @@ class EngineResponse:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with self._in_flight(), anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+            await self._respond(scope, receive, send)
+            tg.cancel_scope.cancel()
+
+    async def read(self) -> dict[str, Any]:
+        """The whole response's JSON object, for a caller in this server rather than a
+        client (a batch job's line); an error is raised as the APIError a client would get."""
+        assert not self.stream, "a stream has no whole body"
+        async with self._in_flight():
+            try:
+                body = await anext(self.body)
+            except APIError:
+                raise
+            except Exception as e:
+                log.exception("request %s failed", self.request_id)
+                raise protocol.server_error(f"{type(e).__name__}: {e}") from e
+        return json.loads(body)
+
+    @contextlib.asynccontextmanager
+    async def _in_flight(self) -> AsyncIterator[None]:
+        """The request counted in flight (the drain waits for it) while it is answered."""
         self.state.request_started(self.request_id)
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
-                await self._respond(scope, receive, send)
-                tg.cancel_scope.cancel()
+            yield
         finally:
-            await self.body.aclose()
+            # Shielded: a batch job's line is cancelled from outside, and the engine request
+            # must still be cancelled and the count in flight end.
+            with anyio.CancelScope(shield=True):
+                await self.body.aclose()
             self.state.request_ended(self.request_id)
             if self.tenant is not None:
                 self.state.tenants.ended(self.tenant)  # type: ignore[union-attr]
@@ -348,18 +375,36 @@ def draining_error() -> APIError:
 # -- requests -------------------------------------------------------------------------------
 
 
-def _require_json(request: Request) -> None:
-    """POST bodies must be declared JSON. Beyond clarity, this is what keeps a web page from
-    driving a server on localhost: a browser sends text/plain or form bodies cross-origin
-    without asking, but application/json only after a CORS preflight, which we never grant."""
+JSON = "application/json"
+
+
+def accepts(media_type: str) -> Callable[[Handler], Handler]:
+    """Marks a handler whose POST body is of `media_type` rather than JSON (an upload's
+    multipart/form-data)."""
+
+    def mark(handler: Handler) -> Handler:
+        handler.media_type = media_type  # type: ignore[attr-defined]
+        return handler
+
+    return mark
+
+
+def _require_media_type(request: Request, media_type: str) -> None:
+    """POST bodies must be declared JSON (or the media type the handler accepts). Beyond
+    clarity, this is what keeps a web page from driving a server on localhost: a browser
+    sends text/plain or form bodies cross-origin without asking, but application/json only
+    after a CORS preflight, which we never grant. A form body (an upload) is refused when a
+    browser says it comes from another origin."""
     declared = request.headers.get("content-type", "")
-    media_type = declared.partition(";")[0].strip().lower()
-    if media_type != "application/json":
+    if declared.partition(";")[0].strip().lower() != media_type:
         raise APIError(
             415,
-            f"the Content-Type must be application/json, got {declared or 'none'!r}",
+            f"the Content-Type must be {media_type}, got {declared or 'none'!r}",
             code="unsupported_media_type",
         )
+    origin = request.headers.get("origin")
+    if media_type != JSON and origin is not None and urlsplit(origin).netloc != request.url.netloc:
+        raise APIError(403, f"uploads from {origin} are refused", code="cross_origin")
 
 
 def max_json_values(max_model_len: int) -> int:
@@ -372,20 +417,30 @@ def max_json_values(max_model_len: int) -> int:
 
 
 async def read_json(state: ServerState, request: Request, contexts: int = 1) -> dict[str, Any]:
-    """The request's JSON object body, bounded in bytes and values before it is parsed:
-    values for what fits in `contexts` contexts (a batch of embedding inputs, more than one)."""
-    limit, max_model_len = state.settings.max_body_bytes, state.engine.max_model_len
-    too_large = APIError(
-        413, f"the request body is larger than {limit} bytes", code="request_too_large"
-    )
+    """The request's JSON object body (json_object), read no further than the size limit."""
+    limit = state.settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
+        raise _too_large(limit)
     data = bytearray()
     async for piece in request.stream():
         data += piece
         if len(data) > limit:
-            raise too_large
+            raise _too_large(limit)
+    return json_object(state, bytes(data), contexts)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+
+def json_object(state: ServerState, data: bytes, contexts: int = 1) -> dict[str, Any]:
+    """A request's JSON object (a body, or a batch job's line), bounded in bytes and values
+    before it is parsed: values for what fits in `contexts` contexts (a batch of embedding
+    inputs, more than one)."""
+    limit, max_model_len = state.settings.max_body_bytes, state.engine.max_model_len
+    if len(data) > limit:
+        raise _too_large(limit)
     # A comma separates two values: counting them bounds the values without parsing.
     values, most = data.count(b",") + 1, max_json_values(max_model_len * contexts)
     if values > most:
@@ -472,7 +527,7 @@ def endpoint(
         try:
             CALLER.set(_authorize(state, request))
             if request.method == "POST":
-                _require_json(request)
+                _require_media_type(request, getattr(handler, "media_type", JSON))
             response = await handler(state, request)
             if isinstance(response, EngineResponse):
                 response.error_body = error_body

@@ -17,7 +17,13 @@ from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.structured import GrammarCompiler
 from gapless.model.tokenizer import Tokenizer
 from gapless.server import protocol, tool_calls
-from gapless.server.endpoint import FieldNames, ServerState, generate, read_json
+from gapless.server.endpoint import (
+    EngineResponse,
+    FieldNames,
+    ServerState,
+    generate,
+    read_json,
+)
 from gapless.server.images import (
     ImageReader,
     MessageContent,
@@ -274,7 +280,12 @@ class _ChatRenderer(OpenAIRenderer):
 
 
 async def chat_completions(state: ServerState, request: Request) -> Response:
-    body = await read_json(state, request)
+    return await respond(state, await read_json(state, request))
+
+
+async def respond(state: ServerState, body: dict[str, Any]) -> EngineResponse:
+    """The response to a chat completion request's body: the endpoint's, or a batch job
+    line's (batch_jobs.py)."""
     check_model(state, body)
     engine, parser = state.engine, state.settings.tool_call_parser
     reader = state.settings.image_reader

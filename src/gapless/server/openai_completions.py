@@ -17,7 +17,13 @@ from gapless.engine.events import TokenEvent, TokenLogprob
 from gapless.engine.sampling_params import SamplingParams
 from gapless.engine.structured import GrammarCompiler
 from gapless.model.tokenizer import Tokenizer
-from gapless.server.endpoint import FieldNames, ServerState, generate, read_json
+from gapless.server.endpoint import (
+    EngineResponse,
+    FieldNames,
+    ServerState,
+    generate,
+    read_json,
+)
 from gapless.server.openai_common import (
     Choice,
     OpenAIRenderer,
@@ -194,7 +200,12 @@ class _CompletionRenderer(OpenAIRenderer):
 
 
 async def completions(state: ServerState, request: Request) -> Response:
-    body = await read_json(state, request)
+    return await respond(state, await read_json(state, request))
+
+
+async def respond(state: ServerState, body: dict[str, Any]) -> EngineResponse:
+    """The response to a completion request's body: the endpoint's, or a batch job line's
+    (batch_jobs.py)."""
     check_model(state, body)
     parse = partial(parse_completion, body, state.engine.admission, state.engine.grammars)
     return await generate(state, field_names(body), parse, partial(_CompletionRenderer, state))

@@ -19,7 +19,13 @@ from starlette.responses import Response
 
 from gapless.engine.admission import Admission, RequestError
 from gapless.engine.events import FinishedEvent
-from gapless.server.endpoint import EmbeddingRenderer, ServerState, embed, read_json
+from gapless.server.endpoint import (
+    EmbeddingRenderer,
+    EngineResponse,
+    ServerState,
+    embed,
+    read_json,
+)
 from gapless.server.openai_common import check_model
 from gapless.server.protocol import int_field, invalid, is_int, str_field
 
@@ -126,7 +132,12 @@ class _EmbeddingsRenderer(EmbeddingRenderer):
 
 
 async def embeddings(state: ServerState, request: Request) -> Response:
-    body = await read_json(state, request, BATCH_CONTEXTS)
+    return await respond(state, await read_json(state, request, BATCH_CONTEXTS))
+
+
+async def respond(state: ServerState, body: dict[str, Any]) -> EngineResponse:
+    """The response to an embedding request's body: the endpoint's, or a batch job line's
+    (batch_jobs.py)."""
     check_model(state, body)
     width = state.engine.decoder.config.hidden_size
     parse = partial(parse_embeddings, body, state.engine.admission, width)

@@ -34,7 +34,25 @@ class ServerSettings:
         "class and max_in_flight (docs/server.md, API keys and tenants); reread on SIGHUP",
         metavar="FILE",
     )
-    max_body_mb: float = option(16.0, "request body size limit in MiB", positive=True)
+    max_body_mb: float = option(
+        16.0, "request body size limit in MiB (a batch job's line too)", positive=True
+    )
+    data_dir: str | None = option(
+        None,
+        "keep uploaded files and batch jobs (OpenAI's Files and Batches API) in an SQLite "
+        "database under DIR, where a restart resumes them (default: none, and those "
+        "endpoints answer 400)",
+        metavar="DIR",
+    )
+    max_upload_mb: float = option(
+        100.0, "the largest file upload (/v1/files), in MiB", positive=True
+    )
+    batch_lines_in_flight: int | None = option(
+        None,
+        "batch jobs' requests in the engine at once, all jobs together (default: half of "
+        "--max-num-seqs), so that live requests find the batch with room",
+        positive=True,
+    )
     shutdown_grace_s: float = option(
         30.0,
         "on SIGTERM, time in-flight requests get to finish before they are cancelled",
@@ -85,6 +103,10 @@ class ServerSettings:
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 2**20)
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return int(self.max_upload_mb * 2**20)
 
     @property
     def image_reader(self) -> ImageReader:

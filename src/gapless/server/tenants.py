@@ -117,6 +117,11 @@ class Tenants:
             return
         log.info("--api-keys reloaded: %d keys", len(self._keys))
 
+    def named(self, name: str) -> Tenant | None:
+        """The tenant of that name as the keys in force give it (the first key's, where
+        several name it), or None."""
+        return next((t for t in self._keys.values() if t.name == name), None)
+
     @property
     def names(self) -> list[str]:
         return sorted({tenant.name for tenant in self._keys.values()})
