@@ -468,3 +468,23 @@ def test_decode_refuses_a_malformed_server_or_kind():
         bench(["decode", "nameonly", "--vocab-size", "100"])
     with pytest.raises(SystemExit):
         bench(["decode", "a=8000", "--kinds", "b0", "--vocab-size", "100"])
+
+
+def test_decode_step_counts_each_paths_ops_and_times_them(checkpoint, tmp_path):
+    from gguf import GGMLQuantizationType
+
+    from gapless.bench.gguf_files import write_gguf
+
+    plain_rope = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    ckpt = checkpoint("llama", **plain_rope)
+    path = write_gguf(ckpt, tmp_path / "m.gguf", GGMLQuantizationType.Q8_0)
+    out = tmp_path / "out"
+    rc = bench(["decode-step", str(path), "--streams", "1,3", "--steps", "4", "--out", str(out)])
+    assert rc == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["streams"] for r in rows] == [1, 3]
+    for row in rows:
+        # the call replaces every layer's ops: a tiny model's 2 layers made ~60 of them
+        assert 0 < row["ops"]["call"] < row["ops"]["ops"] - 40
+        assert row["median_ms"]["call"] > 0 and row["ratio"] > 0
+    assert "| 3 |" in (out / "table.md").read_text()

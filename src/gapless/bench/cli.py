@@ -226,7 +226,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
     sub = p.add_subparsers(
         dest="bench_command",
-        metavar="{make-model,roofline,capacity,decode,startup,pipeline,kv-accuracy,report}",
+        metavar="{make-model,roofline,capacity,decode,decode-step,startup,pipeline,kv-accuracy,report}",
     )
     mm = sub.add_parser("make-model", help="write a seeded random-weight checkpoint")
     mm.add_argument("out_dir", type=Path)
@@ -236,6 +236,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     add_roofline_parser(sub)
     _add_capacity_parser(sub)
     _add_decode_parser(sub)
+    _add_decode_step_parser(sub)
     _add_startup_parser(sub)
     _add_pipeline_parser(sub)
     _add_report_parser(sub)
@@ -380,6 +381,35 @@ def decode_main(args: argparse.Namespace) -> int:
     if rates := rounds.decode_rates(summary):
         plot_decode(rates, args.out / "decode.png")
         print(f"wrote {args.out}/decode.png", file=sys.stderr)
+    return 0
+
+
+def _add_decode_step_parser(sub: argparse._SubParsersAction) -> None:
+    from gapless.bench import decode_step
+
+    p = sub.add_parser(
+        "decode-step",
+        help="a decode step in this process on the decode call and on the ops: time and torch ops",
+        description=decode_step.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", nargs="?", default="default", help="default, gemma3-270m, or a path")
+    p.add_argument("--streams", default="1,4", help="stream counts, comma-separated (%(default)s)")
+    p.add_argument("--context", type=int, default=64, help="each stream's prompt (%(default)s)")
+    p.add_argument("--steps", type=int, default=60, help="steps of each path (%(default)s)")
+    p.add_argument("--flags", default="", help='gapless serve flags, e.g. "--dtype float32"')
+    p.add_argument("--out", type=Path, default=Path("results/decode-step"), help="(%(default)s)")
+    p.set_defaults(func=decode_step_main)
+
+
+def decode_step_main(args: argparse.Namespace) -> int:
+    from gapless.bench import decode_step
+
+    streams = [int(n) for n in args.streams.split(",")]
+    flags = shlex.split(args.flags)
+    found = decode_step.run(args.model, streams, args.context, args.steps, flags)
+    results = {"bench": "decode-step", "provenance": provenance(), **found}
+    _write(args.out, results, decode_step.format_table(found))
     return 0
 
 

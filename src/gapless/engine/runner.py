@@ -14,6 +14,7 @@ import torch
 from gapless.engine.plan import ScheduledChunk
 from gapless.engine.request import Request
 from gapless.kernels import AttentionLayout, AttentionPlan, Span, kv_cache_name, kv_cache_row
+from gapless.kernels.plans import int64s
 from gapless.kv.groups import LayerGroups, first_needed_block
 from gapless.model.decoder import BatchInput, Decoder
 from gapless.model.parallel import RankFailed
@@ -395,7 +396,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[AttentionPlan]]:
         """A KV group's write slots and attention plans."""
         dev = self.decoder.device
-        return torch.tensor(slots, device=dev), self.kernels.plan_attention(layout, spans)
+        return int64s(slots, dev), self.kernels.plan_attention(layout, spans)
 
     def _build(self, inputs: list[ChunkInput]) -> BatchInput:
         token_ids: list[int] = []
@@ -438,16 +439,16 @@ class ModelRunner:
         dev = self.decoder.device
         by_group = list(map(self._group_inputs, write_slots, spans, self.layouts))
         return BatchInput(
-            token_ids=torch.tensor(token_ids, device=dev),
-            positions=torch.tensor(positions, device=dev),
+            token_ids=int64s(token_ids, dev),
+            positions=int64s(positions, dev),
             write_slots=by_group[0][0],
             attention=by_group[0][1],
             windows={
                 layout.layer_windows[0]: group
                 for layout, group in zip(self.layouts[1:], by_group[1:], strict=True)
             },
-            logit_rows=torch.tensor(logit_rows, device=dev),
-            hidden_rows=torch.tensor(hidden_rows, device=dev) if hidden_rows else None,
+            logit_rows=int64s(logit_rows, dev),
+            hidden_rows=int64s(hidden_rows, dev) if hidden_rows else None,
             embeds=(torch.cat(embed_rows).to(dev), torch.cat(embeds)) if embeds else None,
             rope_positions=torch.cat(rope_positions, dim=1).to(dev) if mrope else None,
         )
