@@ -183,7 +183,7 @@ def _kv_events(state: ServerState) -> KVEventPublisher | None:
     if endpoint is None:
         return None
     kv = state.engine.kv
-    publisher = KVEventPublisher(endpoint, state.settings.kv_events_topic, kv.block_size)
+    publisher = KVEventPublisher(endpoint, state.settings.kv_events_topic or "", kv.block_size)
     kv.pool.events = publisher
     return publisher
 

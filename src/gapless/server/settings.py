@@ -68,9 +68,10 @@ class ServerSettings:
         "distributed.md, Replicas behind a router; default: none)",
         metavar="ENDPOINT",
     )
-    kv_events_topic: str = option(
-        "",
-        "the topic frame of each --kv-events-endpoint message (llm-d's indexer reads kv@POD@MODEL)",
+    kv_events_topic: str | None = option(
+        None,
+        "the topic frame of each --kv-events-endpoint message, e.g. kv@POD@MODEL as llm-d's "
+        "KV-cache indexer reads it (default: empty, as vLLM's)",
         metavar="TOPIC",
     )
     tool_call_parser: str | None = option(
