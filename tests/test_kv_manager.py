@@ -8,6 +8,7 @@ import pytest
 from gapless.kv.block_pool import BlockPool
 from gapless.kv.groups import KVGroup
 from gapless.kv.manager import KVManager, SeqBlocks
+from gapless.kv.prefix_cache import block_hashes
 
 BS = 4
 
@@ -143,3 +144,47 @@ def test_a_fork_tail_is_refused_when_no_block_is_free():
     child = SeqBlocks()
     assert not kv.fork_tail(child, True) and child.tables == []
     kv.free(parent)
+
+
+class Recorder:
+    """A CacheEvents sink that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple] = []
+
+    def stored(self, block_hashes: list[int], parent: int | None, token_ids: list[int]) -> None:
+        self.told.append(("stored", block_hashes, parent, token_ids))
+
+    def removed(self, block_hashes: list[int]) -> None:
+        self.told.append(("removed", block_hashes))
+
+
+def test_the_cache_tells_what_enters_it_once_with_its_tokens_and_what_its_evictions_take():
+    kv = KVManager(BlockPool(6, BS))
+    kv.pool.events = events = Recorder()
+    first = computed(kv, ids(10))
+    hashes = block_hashes(ids(10), BS)
+    assert events.told == [("stored", hashes, None, ids(8))]
+    # A chunk later the chain goes on from its last block.
+    assert kv.reserve(first, 10, 12)
+    kv.register(first, 12, keyed(ids(12)))
+    assert events.told[1:] == [("stored", block_hashes(ids(12), BS)[2:], hashes[1], ids(4, 8))]
+    # The same prefix computed again is cached already: nothing to tell.
+    events.told.clear()
+    kv.free(computed(kv, ids(9)))
+    kv.free(first)
+    assert events.told == []
+    # Six blocks for another prompt: the three cached ones go, least recently used first.
+    kv.free(computed(kv, ids(24, 50)))
+    evicted = [h for kind, *rest in events.told if kind == "removed" for h in rest[0]]
+    assert evicted == block_hashes(ids(12), BS)
+    assert not any(kv.pool.holds(h) for h in evicted)
+
+
+def test_blocks_from_an_images_rows_on_are_not_told():
+    kv = KVManager(BlockPool(8, BS))
+    kv.pool.events = events = Recorder()
+    tokens = [*ids(5), *(("image", i) for i in range(4)), *ids(7, 100)]
+    computed(kv, tokens)
+    assert kv.pool.num_used == 4  # all four full blocks are cached, for this server's reuse
+    assert events.told == [("stored", block_hashes(tokens, BS)[:1], None, ids(4))]

@@ -10,6 +10,20 @@ Allocation takes free blocks first and evicts cached ones, least recently used f
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import Protocol
+
+
+class CacheEvents(Protocol):
+    """Told when full blocks enter the prefix cache and leave it, so that a prefix-aware
+    router knows what this server holds (server/kv_events.py publishes them). Called on the
+    engine thread, so it must not block."""
+
+    def stored(self, block_hashes: list[int], parent: int | None, token_ids: list[int]) -> None:
+        """Blocks of one chain entered the cache: their hashes in order, the hash of the
+        block before the first (None: it starts the prompt) and all their tokens."""
+
+    def removed(self, block_hashes: list[int]) -> None:
+        """Cached blocks were evicted: their prefixes are found here no more."""
 
 
 class OutOfBlocks(RuntimeError):
@@ -27,6 +41,9 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0, LRU first
         self._hash_of: dict[int, int] = {}
         self._block_of: dict[int, int] = {}
+        # Where the prefix cache's changes are told (the KV manager tells what enters, with its
+        # tokens; this pool what its evictions take out); None: nowhere.
+        self.events: CacheEvents | None = None
 
     @property
     def num_free(self) -> int:
@@ -48,15 +65,18 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > self.num_available:
             raise OutOfBlocks(f"need {n} KV blocks, {self.num_available} available")
-        blocks = []
+        blocks, evicted = [], []
         for _ in range(n):
             if self._free:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                del self._block_of[self._hash_of.pop(block)]
+                evicted.append(self._hash_of.pop(block))
+                del self._block_of[evicted[-1]]
             self._refs[block] = 1
             blocks.append(block)
+        if evicted and self.events is not None:
+            self.events.removed(evicted)
         return blocks
 
     def release(self, blocks: list[int]) -> None:
@@ -89,9 +109,11 @@ class BlockPool:
         self._refs[block] += 1
         return block
 
-    def register(self, block: int, block_hash: int) -> None:
-        """Marks a full block as holding the prefix `block_hash`, so others can reuse it."""
+    def register(self, block: int, block_hash: int) -> bool:
+        """Marks a full block as holding the prefix `block_hash`, so others can reuse it;
+        False where it was cached already."""
         if block_hash in self._block_of or block in self._hash_of:
-            return  # an identical prefix is cached already; keep the first copy
+            return False  # an identical prefix is cached already; keep the first copy
         self._hash_of[block] = block_hash
         self._block_of[block_hash] = block
+        return True

@@ -290,13 +290,45 @@ class KVManager:
             return
         parent = seq.hashes[-1] if done else 0
         seq.hashes += block_hashes(keyed(done * bs, full * bs), bs, parent)
+        stored = []  # group 0's blocks that entered the cache (not copies of cached ones)
         for g, (group, table) in enumerate(zip(self.groups, seq.tables, strict=False)):
             for i in range(seq.registered, full):
                 if table[i] >= 0:
-                    group.pool.register(table[i], seq.hashes[i])
+                    if group.pool.register(table[i], seq.hashes[i]) and g == 0:
+                        stored.append(i)
                     if self.disk is not None and not self.disk.holds(seq.hashes[i], g):
                         self._writes.append((seq.hashes[i], g, table[i]))
+        if stored and self.pool.events is not None:
+            self._tell_stored(seq, stored, keyed)
         seq.registered = full
+
+    def _tell_stored(
+        self, seq: SeqBlocks, blocks: list[int], keyed: Callable[[int, int], KeyedTokens]
+    ) -> None:
+        """Tells the pool's events of these blocks of the sequence that entered the cache: a
+        chain for each run of consecutive ones. A block with an image's rows, and every block
+        after it, is left out: a router could match its tokens to no prompt's ids."""
+        assert self.pool.events is not None
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in blocks:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            tokens = keyed(run[0] * bs, (run[-1] + 1) * bs)
+            ids = []
+            for token in tokens:
+                if not isinstance(token, int):
+                    break
+                ids.append(token)
+            n = len(ids) // bs
+            if n:
+                parent = seq.hashes[run[0] - 1] if run[0] else None
+                self.pool.events.stored(seq.hashes[run[0] : run[0] + n], parent, ids[: n * bs])
+            if n < len(run):
+                return
 
     def free(self, seq: SeqBlocks) -> None:
         """Releases all the sequence's blocks (cached ones stay findable until evicted)."""

@@ -53,6 +53,7 @@ from gapless.server.endpoint import (
     error_response,
     max_json_values,
 )
+from gapless.server.kv_events import KVEventPublisher
 from gapless.server.metrics import CONTENT_TYPE, render_metrics
 from gapless.server.protocol import APIError
 from gapless.server.settings import ServerSettings
@@ -154,12 +155,16 @@ def build_app(state: ServerState) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        kv_events = _kv_events(state)
         state.async_engine.start()
         if jobs is not None:
             await jobs.resume()  # the jobs a stopped server left unfinished
         yield
         if jobs is not None:
             await jobs.stop()
+        if kv_events is not None:
+            state.engine.kv.pool.events = None
+            kv_events.close()
 
     app = Starlette(
         routes=routes,
@@ -169,6 +174,18 @@ def build_app(state: ServerState) -> Starlette:
     app.state.live_feed = feed
     app.state.batch_jobs = jobs  # openai_batches starts and cancels them
     return app
+
+
+def _kv_events(state: ServerState) -> KVEventPublisher | None:
+    """--kv-events-endpoint's publisher, told of group 0's cache (the one every layer group's
+    reuse starts from: kv/manager.py), or None without the flag."""
+    endpoint = state.settings.kv_events_endpoint
+    if endpoint is None:
+        return None
+    kv = state.engine.kv
+    publisher = KVEventPublisher(endpoint, state.settings.kv_events_topic or "", kv.block_size)
+    kv.pool.events = publisher
+    return publisher
 
 
 # -- running and stopping -------------------------------------------------------------------

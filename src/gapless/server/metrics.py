@@ -47,10 +47,12 @@ def render_metrics(engine: Engine, tenants: Tenants | None = None) -> str:
     read without a lock, so a scrape may mix two adjacent steps, which is fine for monitoring.
     """
     lines: list[str] = []
-    for key, value in stats(engine).items():
+    values = stats(engine)
+    for key, value in values.items():
         # Anything the engine adds to stats() shows up without a change here.
         kind = "counter" if key.endswith("_total") else "gauge"
         _scalar(lines, PREFIX + key, kind, _HELP.get(key, key.replace("_", " ") + "."), value)
+    lines += _router_metrics(values, engine.kv.block_size)
     metrics = engine.metrics
     _scalar(
         lines,
@@ -81,6 +83,39 @@ def render_metrics(engine: Engine, tenants: Tenants | None = None) -> str:
         by_tenant = {t: metrics.by_tenant.get(t, ShareMetrics()) for t in tenants.names}
         lines += _latencies("tenant", by_tenant, "tenant")
     return "\n".join(lines) + "\n"
+
+
+def _router_metrics(values: dict[str, int], block_size: int) -> list[str]:
+    """The Gateway API Inference Extension's model-server protocol (what llm-d's and
+    Kubernetes' inference gateway endpoint picker scrapes), under the vLLM names its picker
+    reads by default: the same values as the gapless_ ones above.
+
+    - TotalQueuedRequests, TotalRunningRequests: gauges, requests queued and being served.
+    - KVCacheUtilization: a gauge, the fraction (0 to 1) of KV blocks in use, as vLLM counts
+      it: cached blocks nobody references are free to take. `vllm:kv_cache_usage_perc` is
+      its name now; pickers before vLLM's rename read `vllm:gpu_cache_usage_perc`.
+    - BlockSize and NumGPUBlocks (optional): labels of `vllm:cache_config_info`, for the
+      picker's prefix-cache scorer.
+    The protocol's LoRA metric (`vllm:lora_requests_info`) is for servers with dynamic LoRA
+    adapters; gapless has none, and like vLLM without --enable-lora it leaves it out.
+    """
+    usage = values["kv_blocks_used"] / values["kv_blocks_total"]
+    lines: list[str] = []
+    for name, help_text, value in (
+        ("num_requests_waiting", "Requests queued for admission.", values["requests_waiting"]),
+        ("num_requests_running", "Requests being served.", values["requests_running"]),
+        ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", usage),
+        ("gpu_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", usage),
+    ):
+        _scalar(lines, f"vllm:{name}", "gauge", help_text, value)
+    name = "vllm:cache_config_info"
+    labels = f'block_size="{block_size}",num_gpu_blocks="{values["kv_blocks_total"]}"'
+    return [
+        *lines,
+        f"# HELP {name} The KV cache's configuration, in its labels.",
+        f"# TYPE {name} gauge",
+        f"{name}{{{labels}}} 1",
+    ]
 
 
 def _label(value: str) -> str:

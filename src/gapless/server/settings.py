@@ -60,6 +60,20 @@ class ServerSettings:
         flag="--shutdown-grace",
         metavar="SECONDS",
     )
+    kv_events_endpoint: str | None = option(
+        None,
+        "publish the prefix cache's block-stored and block-removed events in vLLM's KV-event "
+        "format on a ZMQ PUB socket, for prefix-aware routers: tcp://*:5557 binds, "
+        "tcp://router:5557 connects, as vLLM's --kv-events-config endpoint (docs/"
+        "distributed.md, Replicas behind a router; default: none)",
+        metavar="ENDPOINT",
+    )
+    kv_events_topic: str | None = option(
+        None,
+        "the topic frame of each --kv-events-endpoint message, e.g. kv@POD@MODEL as llm-d's "
+        "KV-cache indexer reads it (default: empty, as vLLM's)",
+        metavar="TOPIC",
+    )
     tool_call_parser: str | None = option(
         None,
         "how the model writes tool calls (default: recognised from its chat template)",
