@@ -36,6 +36,7 @@ from gapless.kernels import (
     kv_cache_row,
     paged,
 )
+from gapless.kernels.decode_layers import DecodeLayers
 from gapless.kernels.extensions import GGUF_BLOCKS, LEVELS, PACKAGE, PAGED_ATTENTION
 from gapless.kernels.kv_format import INT8_ROWS, dequantize_q8, quantize_q8
 from gapless.kernels.machine import Machine, machine
@@ -283,12 +284,18 @@ class Measured:
 def counting_our_kernels(calls: Counter[str]) -> Iterator[None]:
     """Counts the calls of our paged attention kernel (by the cache's type) and of our GGUF
     block products, where the decoder's plans and linears call them (and the probe, which
-    must have run before)."""
+    must have run before), and the decode steps' native call, which runs both inside (by
+    the cache's type too)."""
     attend, gemv, mm = paged.paged_attention, blocks.gemv, blocks.mm
+    decode_layers = DecodeLayers.run
 
     def paged_attention(q, k_cache, *args, **kwargs):
         calls[f"paged attention over {kv_cache_name(k_cache.dtype)}"] += 1
         return attend(q, k_cache, *args, **kwargs)
+
+    def decode_call(self, x, kv_cache, *args):
+        calls[f"decode call over {kv_cache_name(kv_cache[0][0].dtype)}"] += 1
+        return decode_layers(self, x, kv_cache, *args)
 
     def counted(name: str, product: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def call(*args, **kwargs):
@@ -301,6 +308,7 @@ def counting_our_kernels(calls: Counter[str]) -> Iterator[None]:
         patch.setattr(paged, "paged_attention", paged_attention)
         patch.setattr(blocks, "gemv", counted("gemv", gemv))
         patch.setattr(blocks, "mm", counted("mm", mm))
+        patch.setattr(DecodeLayers, "run", decode_call)
         yield
 
 
@@ -360,7 +368,13 @@ def test_each_run_is_on_the_kernels_it_names(measured):
             build.cache_directory(ext, measured.level).name,
         )
     for kv in TYPES:
-        assert measured.calls[f"paged attention over {kv}"] > 0, kv
+        # decodes attend on the paged kernel inside the decode call, prompt chunks outside it
+        ours = (
+            measured.calls[f"paged attention over {kv}"] + measured.calls[f"decode call over {kv}"]
+        )
+        assert ours > 0, kv
+    decode_calls = sum(n for name, n in measured.calls.items() if name.startswith("decode call"))
+    assert decode_calls > 0  # these files' layers take it
     assert measured.calls["gemv"] > 0 and measured.calls["mm"] > 0
 
 
