@@ -194,8 +194,10 @@ class Engine:
             raise RequestError(NOT_A_SCORER, "model", "model_cannot_score")
         return self.intake.add_score(pairs, self.scorer.pooling, request_id)
 
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> str:
-        """Pre-chunking behaviour: the whole prompt prefills in one step, then decodes."""
+    def submit(
+        self, prompt: str | list[int], params: SamplingParams | None = None, **kw: Any
+    ) -> str:
+        """The pre-chunking baseline (README, Python API): the prompt prefills in one step."""
         return self.add_request(prompt, params, whole_prefill=True, **kw)
 
     def cancel(self, request_id: str) -> bool:
