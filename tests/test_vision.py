@@ -10,6 +10,7 @@ generate; for LLaVA (CLIP and SigLIP towers), Gemma 3 and Qwen2.5-VL (M-RoPE).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +26,10 @@ from gapless.model.families import qwen2_5_vl
 from gapless.model.images import ImageProcessor
 from gapless.model.vision import (
     MediaRegion,
-    PromptImages,
     VisionLanguageModel,
     chunk_embeds,
+    image_key,
     load_vision_language,
-    placeholder_starts,
-    prompt_images,
 )
 
 VOCAB = 512
@@ -270,6 +269,34 @@ def image_prompt(model: VisionLanguageModel, images: list[Image.Image]) -> list[
     return ids
 
 
+@dataclass
+class PromptImages:
+    """A prompt's images as its forwards take them: the regions, and M-RoPE's (t, h, w)
+    positions [3, T] of its tokens (None: each token's index)."""
+
+    regions: list[MediaRegion]
+    rope_positions: torch.Tensor | None
+
+
+@torch.inference_mode()
+def prompt_images(
+    model: VisionLanguageModel, token_ids: list[int], images: list[Image.Image]
+) -> PromptImages:
+    """The images' regions in an image_prompt, each image encoded once, and the positions the
+    family rotates by: what admission and the runner give a request, without an engine."""
+    prepared = [model.processor(image) for image in images]
+    encoder = model.encoder
+    lengths = [encoder.tokens(p) for p in prepared]
+    placeholders = [i for i, t in enumerate(token_ids) if t == encoder.image_token_id]
+    assert len(placeholders) == sum(lengths)
+    starts = [placeholders[sum(lengths[:i])] for i in range(len(lengths))]
+    regions = [
+        MediaRegion(start, encoder.encode(image), image_key(image))
+        for start, image in zip(starts, prepared, strict=True)
+    ]
+    return PromptImages(regions, encoder.rope_positions(token_ids, prepared))
+
+
 def hf_inputs(hf_processor, images: list[Image.Image], ids: list[int]) -> dict:
     """What transformers' forward takes beside input_ids: the images as its processor gives
     them, and the token types its full processor gives (1 on image tokens): for Qwen2.5-VL
@@ -459,16 +486,6 @@ def test_gemma3_image_tokens_attend_both_ways_as_transformers(vlm) -> None:
     diff = (causal - want).abs().amax(-1)
     assert diff[:first].max().item() < 1e-4
     assert diff[first:].max().item() > 1e-2
-
-
-def test_placeholders_are_taken_one_run_per_image() -> None:
-    ids = [1, 9, 9, 9, 2, 9, 9, 3]
-    assert placeholder_starts(ids, 9, [3, 2]) == [1, 5]
-    assert placeholder_starts([9] * 5, 9, [2, 3]) == [0, 2]  # adjacent images
-    with pytest.raises(ValueError, match="image tokens"):
-        placeholder_starts(ids, 9, [3, 3])
-    with pytest.raises(ValueError, match="one run"):
-        placeholder_starts(ids, 9, [4, 1])
 
 
 def test_a_chunk_takes_the_slices_of_the_regions_it_cuts() -> None:

@@ -1,5 +1,5 @@
 """Steps of chosen chunks on a ModelRunner, for the in-process measurements
-(bench/roofline.py, scripts/measure_kv_accuracy.py), which time the model forward without a
+(bench/roofline.py, bench/kv_accuracy.py), which time the model forward without a
 scheduler. Not the engine's path: there Scheduler.schedule plans each step and
 Scheduler.update books it.
 

@@ -1,7 +1,11 @@
 """Assembly: the one place that sets up a process to run an engine and builds the engine's
 parts from files. LLM, Engine.from_pretrained and `gapless serve` all build through it, so
 a model runs the same under each (threads, allocator, oneDNN's cache bounds, the KV cache's
-size, the ranks of a tensor-parallel group)."""
+size, the ranks of a tensor-parallel group).
+
+The KV cache is sized here alone: kv_runner asks kv/groups.py's split_blocks for each layer
+group's blocks, from the budget, the context and the largest step (SchedulerConfig says how
+many tokens a step holds), and max_model_len caps requests at what the pool then holds."""
 
 from __future__ import annotations
 
@@ -155,12 +159,26 @@ def kv_runner(
         per_token,
         scheduling.max_num_seqs,
         scheduling.max_step_tokens(bool(config.latency_targets()[1])),
-        config.max_model_len or mcfg.max_position_embeddings,
+        context_length(decoder, config),
         config.kv_cache_tokens,
         int(config.kv_memory_gib * 2**30),
     )
     encoder = vision.encoder if vision is not None else None
     return ModelRunner(decoder, num_blocks, config.block_size, encoder, window_blocks, cache_dtype)
+
+
+def context_length(decoder: Decoder, config: EngineConfig) -> int:
+    """The context asked for: --max-model-len, else the model's."""
+    return config.max_model_len or decoder.config.max_position_embeddings
+
+
+def max_model_len(decoder: Decoder, config: EngineConfig, kv: KVManager) -> int:
+    """The longest a request may grow: the context asked for, but where every layer keeps
+    every key no more than the pool holds (a longer sequence could be preempted and never
+    fit again)."""
+    if decoder.config.max_window is None:
+        return min(context_length(decoder, config), kv.capacity_tokens())
+    return context_length(decoder, config)
 
 
 def kv_manager(runner: ModelRunner, config: EngineConfig, model: Path | None) -> KVManager:

@@ -75,10 +75,7 @@ class Engine:
             cache_dtype = builder.kv_cache_dtype(draft, config)
             self.draft = DraftModel(draft, runner.num_blocks, runner.block_size, cache_dtype)
         self.kv = builder.kv_manager(runner, config, model)
-        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
-        if mcfg.max_window is None:
-            # A sequence longer than the pool could be preempted and never fit again.
-            self.max_model_len = min(self.max_model_len, self.kv.capacity_tokens())
+        self.max_model_len = builder.max_model_len(decoder, config, self.kv)
         chunked = scheduling.chunked_prefill
         self.whole_prefill = not chunked or not runner.supports_chunked_prefill
         if chunked and not runner.supports_chunked_prefill:
@@ -197,8 +194,10 @@ class Engine:
             raise RequestError(NOT_A_SCORER, "model", "model_cannot_score")
         return self.intake.add_score(pairs, self.scorer.pooling, request_id)
 
-    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> str:
-        """Pre-chunking behaviour: the whole prompt prefills in one step, then decodes."""
+    def submit(
+        self, prompt: str | list[int], params: SamplingParams | None = None, **kw: Any
+    ) -> str:
+        """The pre-chunking baseline (README, Python API): the prompt prefills in one step."""
         return self.add_request(prompt, params, whole_prefill=True, **kw)
 
     def cancel(self, request_id: str) -> bool:

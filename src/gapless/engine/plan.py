@@ -1,9 +1,19 @@
 """The messages of a step. The scheduler plans what a step runs (Scheduler.schedule) and
-calls no model; the engine carries the plan out (the draft model's proposals, the encodes,
-the forward, the sampling) and hands back what came of it (Scheduler.update). A plan is
-complete once the draft model's proposals are in its decodes (Scheduler.verify, before the
-forward); nothing changes it after that. The runner reads the plan's chunks and nothing of
-the scheduler's."""
+calls no model; the engine carries the plan out (the draft model's proposals, the disk loads,
+the encodes, the forward, the sampling) and hands back what came of it (Scheduler.update).
+The runner reads the plan's chunks and nothing of the scheduler's.
+
+Who changes a plan after schedule returns: Scheduler.verify alone, before the forward, which
+puts the draft model's proposals in the decodes' chunks (their `draft`, and `num_tokens`
+counting it; proposals.add_proposals). The engine, the runner and update only read it.
+
+Who moves a request's KV state (its `kv` blocks, `state`, `num_computed`): the scheduler,
+always through the KV manager, in schedule (admitting, reserving the step's blocks,
+preempting), verify (the proposals' blocks), update (booking the step, starting forks,
+releasing rejected proposals' blocks) and finish, and in the functions of forks.py and
+disk_loads.py those call. The one move outside it: the engine, running a plan's loads, takes
+the loaded blocks out of the request's `kv.loading` (KVManager.take_loads) for update to
+book."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from gapless.model.decoder import BatchInput, Decoder
 from gapless.model.parallel import RankFailed
 from gapless.model.vision import MediaRegion, VisionEncoder, chunk_embeds, mrope_slice
 
+# The runner logs one line, the KV cache's `kernels:` report, beside the kernels' own.
 log = logging.getLogger("gapless.kernels")
 
 

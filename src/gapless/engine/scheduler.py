@@ -31,12 +31,8 @@ A request for n choices prefills its prompt once; the other n - 1 then fork from
 (forks.py). A prompt admitted on a prefix the KV disk tier holds loads it a chunk's worth a
 step before its next chunk (disk_loads.py).
 
-Who writes a request's KV state (its `kv` blocks, `state`, `num_computed`): this scheduler
-alone, through the KV manager, and the rooms whose functions it calls for it (forks.py starts
-a fork's children, disk_loads.py books loaded blocks). `schedule` admits, reserves blocks for
-the plan and preempts; `verify` puts a draft model's proposals in the plan's decodes before
-the forward (the only change to a plan after `schedule` returns); `update` books what the
-forward computed; the steps in flight (in_flight.py) count a pipeline's tokens in flight.
+Who moves a request's KV state, and who changes a plan once `schedule` returns (`verify`
+alone), is plan.py's rule; the steps in flight (in_flight.py) count a pipeline's tokens.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from gapless.model.config import ModelConfig
 from gapless.model.parallel import TensorParallel
 from gapless.model.pipeline import Stage
 
+# The decoder logs one line, the decode call's `kernels:` report, beside the kernels' own.
 log = logging.getLogger("gapless.kernels")
 
 

@@ -28,7 +28,6 @@ from types import ModuleType
 from typing import Protocol
 
 import torch
-from PIL import Image
 
 from gapless.kernels import resolve_dtype, select
 from gapless.model.config import ConfigError
@@ -178,24 +177,6 @@ def image_key(image: PreparedImage) -> str:
     return digest.hexdigest()
 
 
-@dataclass
-class PromptImages:
-    """A prompt's images as its forwards take them."""
-
-    regions: list[MediaRegion]
-    # M-RoPE's (t, h, w) positions [3, T] of the prompt's tokens (a chunk passes its columns as
-    # BatchInput.rope_positions); None: each token's index.
-    rope_positions: torch.Tensor | None
-
-    def positions(self, start: int, end: int) -> torch.Tensor | None:
-        """BatchInput.rope_positions of the tokens start..end-1, the prompt's or, past its end,
-        decoded ones (their index moved by what the images' grids saved, the same on t, h and
-        w); None without M-RoPE."""
-        if self.rope_positions is None:
-            return None
-        return mrope_slice(self.rope_positions, start, end)
-
-
 def mrope_slice(prompt: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """M-RoPE positions [3, end - start] of tokens start..end-1 of a sequence whose prompt's
     are `prompt` [3, prompt length]: past it, decoded tokens' index moved by what the images'
@@ -203,43 +184,6 @@ def mrope_slice(prompt: torch.Tensor, start: int, end: int) -> torch.Tensor:
     n = prompt.shape[1]
     decoded = torch.arange(max(start, n), max(end, n)) + int(prompt.max()) + 1 - n
     return torch.cat((prompt[:, start:end], decoded.expand(3, -1)), dim=1)
-
-
-@torch.inference_mode()
-def prompt_images(
-    model: VisionLanguageModel, token_ids: list[int], images: list[Image.Image]
-) -> PromptImages:
-    """The images' regions in the prompt, in order, each image encoded once; and the positions
-    the family rotates by."""
-    prepared = [model.processor(image) for image in images]
-    encoder = model.encoder
-    starts = placeholder_starts(
-        token_ids, encoder.image_token_id, [encoder.tokens(p) for p in prepared]
-    )
-    regions = [
-        MediaRegion(start, encoder.encode(image), image_key(image))
-        for start, image in zip(starts, prepared, strict=True)
-    ]
-    return PromptImages(regions, encoder.rope_positions(token_ids, prepared))
-
-
-def placeholder_starts(token_ids: list[int], image_token_id: int, lengths: list[int]) -> list[int]:
-    """Where each image's run of placeholders starts: the prompt's placeholders, taken in order,
-    lengths[i] for image i, each run unbroken."""
-    positions = [i for i, t in enumerate(token_ids) if t == image_token_id]
-    if len(positions) != sum(lengths):
-        raise ValueError(
-            f"the prompt has {len(positions)} image tokens, its {len(lengths)} images take "
-            f"{sum(lengths)}"
-        )
-    starts, taken = [], 0
-    for n in lengths:
-        start = positions[taken]
-        if positions[taken + n - 1] != start + n - 1:
-            raise ValueError(f"image {len(starts)}'s {n} tokens are not one run from {start}")
-        starts.append(start)
-        taken += n
-    return starts
 
 
 def chunk_embeds(
