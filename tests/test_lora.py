@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import ollama
 import openai
 import pytest
 import torch
@@ -174,14 +175,14 @@ def test_unknown_adapter_in_a_request_is_refused(llama_dir, two_adapters):
 
 def test_server_serves_each_adapter_as_a_model_and_404s_an_unknown_one(llama_dir, two_adapters):
     specs = tuple(f"{name}={path}" for name, path in two_adapters.items())
-    ids = prompt(9, seed=3)
+    text = "def main():\n    return"
     with running_server(llama_dir, lora=specs, kv_cache_dtype="float32") as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
         assert [m.id for m in client.models.list()] == [MODEL, "a", "b"]
         assert client.models.retrieve("b").id == "b"
         texts = {}
         for name in (MODEL, "a", "b"):
-            done = client.completions.create(model=name, prompt=ids, max_tokens=8, temperature=0)
+            done = client.completions.create(model=name, prompt=text, max_tokens=8, temperature=0)
             assert done.model == name
             texts[name] = done.choices[0].text
         assert len(set(texts.values())) == 3
@@ -193,6 +194,19 @@ def test_server_serves_each_adapter_as_a_model_and_404s_an_unknown_one(llama_dir
         assert "'a'" in refused.value.body["message"]
         with pytest.raises(openai.NotFoundError):  # embeddings serve the base model only
             client.embeddings.create(model="a", input="hi")
+        # Ollama's chat and generate pick adapters by name too (its tag `:latest` or none).
+        ollama_client = ollama.Client(host=server.url)
+        names = [m.model for m in ollama_client.list().models]
+        assert names == [f"{MODEL}:latest", "a:latest", "b:latest"]
+        for name in ("a", "b:latest"):
+            done = ollama_client.generate(
+                model=name, prompt=text, raw=True, options={"temperature": 0, "num_predict": 8}
+            )
+            assert done.model == name
+            assert done.response == texts[name.removesuffix(":latest")]
+        with pytest.raises(ollama.ResponseError) as missing:
+            ollama_client.generate(model="c", prompt=text, raw=True)
+        assert missing.value.status_code == 404
 
 
 # -- adapters refused at start -----------------------------------------------------------------
