@@ -195,6 +195,7 @@ def test_serve_flags_reach_the_configs_their_options_live_on() -> None:
     flags += ["--kv-memory", "0.5", "--threads", "1", "--max-body-mb", "2"]
     flags += ["--shutdown-grace", "5", "--response-store-entries", "3"]
     flags += ["--pooling", "mean", "--task", "embed", "--kv-cache-dtype", "int8"]
+    flags += ["--lora", "a=/adapters/a", "--lora", "b=/adapters/b"]  # repeated: one each
     args = parser.parse_args(["serve", *flags])
     config = engine_config(args)
     assert (config.scheduler.prefill_chunk, config.scheduler.enable_prefix_cache) == (8, False)
@@ -202,6 +203,8 @@ def test_serve_flags_reach_the_configs_their_options_live_on() -> None:
     assert (config.kv_memory_gib, config.num_threads) == (0.5, 1)
     assert config.scheduler.idle_prefill_chunk == EngineConfig().scheduler.idle_prefill_chunk
     assert config.pooling == "mean" and config.kv_cache_dtype == "int8"
+    assert config.lora == ("a=/adapters/a", "b=/adapters/b")
+    assert engine_config(parser.parse_args(["serve"])).lora == ()
     settings = server_settings(args, "m")
     assert settings.max_body_bytes == 2 * 2**20
     assert (settings.shutdown_grace_s, settings.response_store_entries) == (5, 3)

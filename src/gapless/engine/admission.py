@@ -97,9 +97,12 @@ class Admission:
         limit_mm_per_prompt: int = 0,
         max_image_pixels: int = 0,
         generates: bool = True,
+        adapters: tuple[str, ...] = (),
     ) -> None:
-        """generates: False for a sequence classifier, which has no lm_head."""
+        """generates: False for a sequence classifier, which has no lm_head. adapters: the
+        names of the LoRA adapters a request may run on (--lora)."""
         self.tokenizer = tokenizer
+        self.adapters = adapters
         self.generates = generates
         self.vision = vision
         self.limit_mm_per_prompt = limit_mm_per_prompt
@@ -331,6 +334,12 @@ class Admission:
                 None,
             )
         _check_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
+        if params.adapter is not None and params.adapter not in self.adapters:
+            raise RequestError(
+                f"no LoRA adapter {params.adapter!r}; adapters: {list(self.adapters)}",
+                "model",
+                "model_not_found",
+            )
 
 
 def _has_image(content: Any) -> bool:

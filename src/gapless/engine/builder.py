@@ -26,6 +26,7 @@ from gapless.kv.block_pool import BlockPool
 from gapless.kv.disk import DiskTier
 from gapless.kv.groups import KVGroup, LayerGroups, split_blocks
 from gapless.kv.manager import KVManager
+from gapless.model import lora
 from gapless.model.checkpoint import load_model, read_model_config, tensor_bytes
 from gapless.model.decoder import Decoder
 from gapless.model.parallel import check_shardable
@@ -116,11 +117,14 @@ def _build_local(path: str | Path, config: EngineConfig) -> Parts:
             raise ValueError("--quantize is not supported for vision-language models")
         if config.draft_model is not None:
             raise ValueError("a draft model is not supported for vision-language models")
+        if config.lora:
+            raise ValueError("--lora is not supported for vision-language models")
         vision = load_vision_language(path, config.dtype, device)
         runner = kv_runner(vision.decoder, config, vision=vision)
         tokenizer = Tokenizer.from_pretrained(path)
         return Parts(vision.decoder, tokenizer, config, runner, vision=vision, model=Path(path))
     decoder, tokenizer = load_model(path, config.dtype, device, None, *quantize)
+    attach_adapters(decoder, config.lora)
     draft = None
     if config.draft_model is not None:
         draft, draft_tokenizer = load_model(
@@ -129,6 +133,18 @@ def _build_local(path: str | Path, config: EngineConfig) -> Parts:
         check_draft((decoder, tokenizer), (draft, draft_tokenizer))
     runner = kv_runner(decoder, config, draft)
     return Parts(decoder, tokenizer, config, runner, draft, model=Path(path))
+
+
+def attach_adapters(decoder: Decoder, specs: tuple[str, ...]) -> None:
+    """Reads every --lora adapter (each NAME=PATH) and attaches them all to the decoder;
+    an adapter that cannot be served fails the start, naming it."""
+    if not specs:
+        return
+    named = [lora.parse_flag(spec) for spec in specs]
+    names = [name for name, _ in named]
+    if len(set(names)) < len(names):
+        raise lora.AdapterError(f"--lora names an adapter twice: {', '.join(names)}")
+    lora.attach(decoder, [lora.read_adapter(n, p, decoder.config) for n, p in named])
 
 
 def kv_runner(

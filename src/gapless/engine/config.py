@@ -170,6 +170,13 @@ class EngineConfig:
         "number of tokens",
         metavar="PATH",
     )
+    lora: tuple[str, ...] = option(
+        (),
+        "serve the LoRA adapter at PATH (PEFT's adapter_config.json and "
+        "adapter_model.safetensors) as the model NAME, beside the base model; repeat for more. "
+        "Every adapter stays resident; requests on different adapters share a step",
+        metavar="NAME=PATH",
+    )
     num_speculative_tokens: int = option(
         5,
         "the most proposed tokens a request verifies in a step; its own number follows how "
@@ -203,6 +210,9 @@ class EngineConfig:
         if self.kv_disk is not None and self.world_size > 1:
             # Each rank holds its own shard's KV: the tier would need every rank's files.
             raise ValueError("--kv-disk runs without tensor or pipeline parallelism, for now")
+        if self.lora and self.world_size > 1:
+            raise ValueError("--lora runs without tensor or pipeline parallelism")
+        self.lora = tuple(self.lora or ())  # the flag's list, or None when not given
         if self.pipeline_layers is not None and self.pipeline_parallel_size == 1:
             raise ValueError("--pipeline-layers needs --pipeline-parallel-size 2 or more")
 

@@ -115,6 +115,7 @@ class Engine:
             config.limit_mm_per_prompt,
             config.max_image_pixels,
             generates=decoder.classifier is None,
+            adapters=tuple(decoder.adapters.names) if decoder.adapters else (),
         )
         eos_ids = tokenizer.eos_token_ids  # read once, with the tokenizer
         self.grammars = GrammarCompiler(tokenizer, mcfg.vocab_size, sorted(eos_ids))

@@ -77,6 +77,11 @@ def add_flags(parser: argparse.ArgumentParser, *configs: type) -> None:
                 action = "store_false" if f.default else "store_true"
                 where.add_argument(flag, dest=f.name, action=action, help=opt.help)
                 continue
+            if isinstance(f.default, tuple):  # repeated: each use of the flag adds a value
+                where.add_argument(
+                    flag, dest=f.name, action="append", metavar=opt.metavar, help=opt.help
+                )
+                continue
             kind = _scalar_type(f.type)
             shown = "" if f.default is None else " (%(default)s)"
             where.add_argument(

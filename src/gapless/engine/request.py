@@ -20,6 +20,7 @@ from gapless.engine.events import ProgressEvent, TokenLogprob
 from gapless.engine.sampler import SamplingState
 from gapless.engine.sampling_params import SamplingParams
 from gapless.kv.manager import SeqBlocks
+from gapless.kv.prefix_cache import adapter_root
 
 if TYPE_CHECKING:
     import torch
@@ -108,6 +109,7 @@ class Request:
     def __post_init__(self) -> None:
         if self.sampling is None:
             self.sampling = SamplingState(self.params)
+        self.kv.root = adapter_root(self.params.adapter)
 
     @property
     def num_tokens(self) -> int:

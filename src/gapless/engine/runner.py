@@ -50,6 +50,8 @@ class ChunkInput:
     # The sequence's blocks in each sliding-window KV group of a runner that groups its layers
     # (kv/groups.py), as block_table; -1 where the window has passed.
     window_tables: tuple[list[int], ...] = ()
+    # The index of the LoRA adapter it runs on (Decoder.adapters); -1: the base model.
+    adapter: int = -1
 
     @property
     def num_rows(self) -> int:
@@ -358,7 +360,12 @@ class ModelRunner:
             rope,
             whole,
             tuple(t[:blocks] for t in req.kv.window_tables),
+            self._adapter_index(req.params.adapter),
         )
+
+    def _adapter_index(self, name: str | None) -> int:
+        adapters = self.decoder.adapters
+        return -1 if name is None or adapters is None else adapters.names.index(name)
 
     @torch.inference_mode()
     def encode(self, chunk: ScheduledChunk) -> None:
@@ -411,6 +418,7 @@ class ModelRunner:
         embeds: list[torch.Tensor] = []
         mrope = any(chunk.rope_positions is not None for chunk in inputs)
         rope_positions: list[torch.Tensor] = []
+        lora_rows: dict[int, list[int]] = {}  # by adapter index
         for chunk in inputs:
             start, n = chunk.start, len(chunk.token_ids)
             row = len(token_ids)
@@ -422,6 +430,8 @@ class ModelRunner:
                 rope_positions.append(
                     plain if chunk.rope_positions is None else chunk.rope_positions
                 )
+            if chunk.adapter >= 0:
+                lora_rows.setdefault(chunk.adapter, []).extend(range(row, row + n))
             token_ids += chunk.token_ids
             positions += range(start, start + n)
             logit_rows += range(row + n - chunk.num_rows, row + n)
@@ -452,4 +462,5 @@ class ModelRunner:
             hidden_rows=int64s(hidden_rows, dev) if hidden_rows else None,
             embeds=(torch.cat(embed_rows).to(dev), torch.cat(embeds)) if embeds else None,
             rope_positions=torch.cat(rope_positions, dim=1).to(dev) if mrope else None,
+            lora_groups=[(a, int64s(rows, dev)) for a, rows in lora_rows.items()],
         )

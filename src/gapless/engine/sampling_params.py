@@ -65,6 +65,8 @@ class SamplingParams:
     # Who the request is for (an API key's tenant: server/tenants.py); within a class the
     # scheduler shares prompt tokens fairly between tenants. None: the anonymous tenant.
     tenant: str | None = None
+    # The LoRA adapter it runs on, by its --lora name; None: the base model.
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if self.service_class is None:

@@ -55,6 +55,8 @@ class SeqBlocks:
     tables: list[list[int]] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
     registered: int = 0
+    # The hash its chain starts from: its LoRA adapter's (prefix_cache.adapter_root), else 0.
+    root: int = 0
     # The blocks after its computed ones still to load from disk, in order.
     loading: list[DiskBlock] = field(default_factory=list)
 
@@ -115,7 +117,7 @@ class KVManager:
         bs = self.block_size
         prefix: list[int] = []
         if self.prefix_cache and keyed is not None:
-            prefix = block_hashes(keyed, bs)[: (len(keyed) - 1) // bs]
+            prefix = block_hashes(keyed, bs, seq.root)[: (len(keyed) - 1) // bs]
         hashes = prefix[: self._reusable(prefix)]
         cached = len(hashes) * bs
         tables = []
@@ -288,7 +290,7 @@ class KVManager:
         full, done = computed // bs, len(seq.hashes)
         if full <= done:
             return
-        parent = seq.hashes[-1] if done else 0
+        parent = seq.hashes[-1] if done else seq.root
         seq.hashes += block_hashes(keyed(done * bs, full * bs), bs, parent)
         stored = []  # group 0's blocks that entered the cache (not copies of cached ones)
         for g, (group, table) in enumerate(zip(self.groups, seq.tables, strict=False)):

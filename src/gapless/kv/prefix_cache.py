@@ -6,6 +6,9 @@ A hash is the first 8 bytes of BLAKE2b over the parent's hash and the block's to
 unsigned 64-bit integer: the same in every process and on every machine (Python's own hash
 of a string is salted per process), so that the disk tier (kv/disk.py) and another server
 sharing its directory find a block by it.
+
+A sequence on a LoRA adapter computes other K/V from the same tokens: its chain starts from
+its adapter's root (adapter_root) instead of 0, so that no block is shared across adapters.
 """
 
 from __future__ import annotations
@@ -25,3 +28,12 @@ def block_hashes(
         parent = int.from_bytes(digest, "little")
         hashes.append(parent)
     return hashes
+
+
+def adapter_root(adapter: str | None) -> int:
+    """The hash a chain of blocks computed on this LoRA adapter starts from (0: the base
+    model's)."""
+    if adapter is None:
+        return 0
+    digest = hashlib.blake2b(b"lora adapter " + adapter.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")

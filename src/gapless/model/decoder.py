@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from gapless.kernels import AttentionPlan, Kernels, Linear
 from gapless.kernels.decode_layers import DecodeLayers, DecodeSpec
+from gapless.kernels.lora import Adapters
 from gapless.kernels.plans import KVCache
 from gapless.kernels.quant import BlockQuant
 from gapless.kernels.step_ops import apply_rope as apply_rope  # the families' seam
@@ -56,6 +57,9 @@ class BatchInput:
     # M-RoPE's (t, h, w) positions [3, T] (Qwen2.5-VL: an image's tokens on its grid);
     # None: positions on all three.
     rope_positions: torch.Tensor | None = None
+    # (adapter index, rows [N]) for each LoRA adapter with rows in the batch (kernels/lora.py);
+    # rows on the base model are in none.
+    lora_groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -238,6 +242,8 @@ class Decoder:
         # The group's ranks, whatever the split: rank 0 broadcasts each step's inputs on them.
         self.ranks = stage.ranks if stage else parallel
         self.decode_layers = self._decode_layers()
+        # The LoRA adapters its layers' linears hold (model/lora.py attaches them); None: none.
+        self.adapters: Adapters | None = None
 
     def _decode_layers(self) -> DecodeLayers | None:
         """Decode steps' layers in one native call, where every layer gives itself as data
@@ -266,13 +272,15 @@ class Decoder:
         to wait for then: the last stage's logits, which it may receive after starting further
         batches (up to one a stage in flight, engine.py)."""
         step = Step(batch, self.kernels, self.dtype, self.all_reduce)
+        self._set_lora_rows(batch)
         stage, cfg = self.stage, self.config
         if stage is None or stage.first:
             x = self._embed(batch)
         else:
             x = stage.receive_hidden(len(batch.token_ids), cfg.hidden_size, self.dtype)
         fused, plans = self.decode_layers, (batch.write_slots, batch.attention, batch.windows)
-        if fused is not None and fused.takes(*plans):
+        # The decode call holds the base linears only: a step with adapter rows runs the ops.
+        if fused is not None and not batch.lora_groups and fused.takes(*plans):
             x = fused.run(x, kv_cache, *plans, step.rotation)  # type: ignore[arg-type]
         else:
             for layer, cache in zip(self.layers, kv_cache, strict=True):
@@ -303,10 +311,16 @@ class Decoder:
         K/V written, its logits dropped): a step's memory and op caches at a fraction of
         its time (ModelRunner.run_largest_step)."""
         step = Step(batch, self.kernels, self.dtype, self.all_reduce)
+        self._set_lora_rows(batch)
         x = self._embed(batch)
         for i in which:
             x = self.layers[i].forward(x, step, kv_cache[i])
         self._head(x, batch)
+
+    def _set_lora_rows(self, batch: BatchInput) -> None:
+        """Tells the adapters' linears which rows of this batch each adapter has."""
+        if self.adapters is not None:
+            self.adapters.groups = batch.lora_groups
 
     def _embed(self, batch: BatchInput) -> torch.Tensor:
         assert self.embed is not None  # every decoder's but a later pipeline stage's

@@ -91,12 +91,24 @@ def _model_name(state: ServerState) -> str:
     return f"{state.settings.served_model_name}:latest"
 
 
-def _check_model(state: ServerState, body: dict[str, Any]) -> str:
-    """The model named as the client named it; Ollama names carry a tag, `:latest` if none."""
+def _adapter(model: str | None, admission: Admission) -> str | None:
+    """The --lora adapter a model name picks (`NAME` or `NAME:latest`), else None."""
+    name = (model or "").removesuffix(":latest")
+    return name if name in admission.adapters else None
+
+
+def _check_model(state: ServerState, body: dict[str, Any], adapters: bool = False) -> str:
+    """The model named as the client named it; Ollama names carry a tag, `:latest` if none.
+    adapters: the endpoint serves the --lora adapters' names too (chat and generate)."""
     model = str_field(body, "model")
     if model is None or protocol.serves(model, state.settings.served_model_name):
         return model or _model_name(state)
-    raise APIError(404, f"model {model!r} not found; this server serves {_model_name(state)!r}")
+    if adapters and _adapter(model, state.engine.admission) is not None:
+        return model
+    served = [_model_name(state)]
+    if adapters:
+        served += [f"{name}:latest" for name in state.engine.admission.adapters]
+    raise APIError(404, f"model {model!r} not found; this server serves {served}")
 
 
 def field_names(chat: bool) -> FieldNames:
@@ -128,6 +140,7 @@ def _sampling(
     options = protocol.dict_field(body, "options") or {}
     _check_samplers(options)
     fields = protocol.number_fields(options, _FLOAT_OPTIONS, _INT_OPTIONS)
+    fields["adapter"] = _adapter(str_field(body, "model"), admission)
     num_predict = protocol.int_field(options, "num_predict")
     # -1 (no limit) and -2 (fill the context) both mean: the rest of the context. A limit past
     # the context ends there, as Ollama's does: clients such as Open WebUI send one number for
@@ -416,7 +429,7 @@ async def embeddings(state: ServerState, request: Request) -> Response:
 
 async def _generate(state: ServerState, request: Request, chat: bool) -> Response:
     body = await read_json(state, request)
-    model = _check_model(state, body)
+    model = _check_model(state, body, adapters=True)
     if not chat and not body.get("prompt") and not body.get("suffix"):
         # An empty prompt only loads the model, which is always loaded here.
         loaded = {"model": model, "created_at": _created_at(), "response": "", "done": True}
@@ -458,19 +471,27 @@ def _modified_at(state: ServerState) -> str:
     return datetime.fromtimestamp(state.created, UTC).isoformat().replace("+00:00", "Z")
 
 
-def _card(state: ServerState) -> dict[str, Any]:
-    name = _model_name(state)
-    return {
-        "name": name,
-        "model": name,
+def _card(state: ServerState, name: str | None = None) -> dict[str, Any]:
+    """The served model's card, or (name) an adapter's, whose details name the base as
+    parent_model."""
+    card = {
+        "name": name or _model_name(state),
+        "model": name or _model_name(state),
         "size": state.description.held_bytes,
         "digest": "",
         "details": _details(state),
     }
+    if name is not None:
+        card["details"] = card["details"] | {"parent_model": _model_name(state)}
+    return card
 
 
 async def tags(state: ServerState, request: Request) -> Response:
-    return JSONResponse({"models": [{**_card(state), "modified_at": _modified_at(state)}]})
+    adapters = [_card(state, f"{name}:latest") for name in state.engine.admission.adapters]
+    cards = [_card(state), *adapters]
+    return JSONResponse(
+        {"models": [{**card, "modified_at": _modified_at(state)} for card in cards]}
+    )
 
 
 async def ps(state: ServerState, request: Request) -> Response:

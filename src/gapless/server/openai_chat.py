@@ -286,7 +286,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
 async def respond(state: ServerState, body: dict[str, Any]) -> EngineResponse:
     """The response to a chat completion request's body: the endpoint's, or a batch job
     line's (batch_jobs.py)."""
-    check_model(state, body)
+    check_model(state, body, adapters=True)
     engine, parser = state.engine, state.settings.tool_call_parser
     reader = state.settings.image_reader
     parse = partial(parse_chat, body, engine.admission, engine.grammars, reader, parser)

@@ -49,8 +49,11 @@ def error_body(error: APIError) -> dict[str, Any]:
     }
 
 
-def check_model(state: ServerState, body: dict[str, Any]) -> None:
-    protocol.check_model(body.get("model"), state.settings.served_model_name)
+def check_model(state: ServerState, body: dict[str, Any], adapters: bool = False) -> None:
+    """adapters: the endpoint serves the --lora adapters' names too (completions and chat,
+    whose sampling_fields pick the adapter)."""
+    names = state.engine.admission.adapters if adapters else ()
+    protocol.check_model(body.get("model"), state.settings.served_model_name, names)
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -116,6 +119,8 @@ def sampling_fields(
         if value is not None:
             fields[name] = value
     fields["stop_token_ids"] = int_list_field(body, "stop_token_ids")
+    if (model := body.get("model")) in admission.adapters:  # check_model let it through
+        fields["adapter"] = model
 
     stream = bool(bool_field(body, "stream"))
     n = fields.get("n", 1)
@@ -190,7 +195,7 @@ class OpenAIRenderer(Renderer):
     def __init__(self, state: ServerState, parsed: ParsedRequest, request_id: str) -> None:
         super().__init__()
         self.tokenizer = state.engine.tokenizer
-        self.model = state.settings.served_model_name
+        self.model = parsed.params.adapter or state.settings.served_model_name
         self.parsed = parsed
         self.id = f"{self.id_prefix}{request_id}"
         self.created = protocol.now()
@@ -271,23 +276,30 @@ class OpenAIRenderer(Renderer):
 # -- /v1/models ----------------------------------------------------------------------------
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
-    return {
-        "id": state.settings.served_model_name,
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    """The base model's card, or an adapter's, which names the base as its parent."""
+    served = state.settings.served_model_name
+    card = {
+        "id": name,
         "object": "model",
         "created": state.created,
         "owned_by": "gapless",
         "max_model_len": state.description.context_length,
     }
+    return card if name == served else card | {"parent": served}
 
 
 async def list_models(state: ServerState, request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+    names = (state.settings.served_model_name, *state.engine.admission.adapters)
+    return JSONResponse({"object": "list", "data": [_model_card(state, n) for n in names]})
 
 
 async def get_model(state: ServerState, request: Request) -> Response:
-    check_model(state, {"model": request.path_params["model"]})
-    return JSONResponse(_model_card(state))
+    name = request.path_params["model"]
+    check_model(state, {"model": name}, adapters=True)
+    if name not in state.engine.admission.adapters:
+        name = state.settings.served_model_name  # its Ollama name too
+    return JSONResponse(_model_card(state, name))
 
 
 ROUTES = [

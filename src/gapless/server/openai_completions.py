@@ -206,7 +206,7 @@ async def completions(state: ServerState, request: Request) -> Response:
 async def respond(state: ServerState, body: dict[str, Any]) -> EngineResponse:
     """The response to a completion request's body: the endpoint's, or a batch job line's
     (batch_jobs.py)."""
-    check_model(state, body)
+    check_model(state, body, adapters=True)
     parse = partial(parse_completion, body, state.engine.admission, state.engine.grammars)
     return await generate(state, field_names(body), parse, partial(_CompletionRenderer, state))
 

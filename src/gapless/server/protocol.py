@@ -233,16 +233,17 @@ def serves(model: str, served: str) -> bool:
     return model in (served, f"{served}:latest")
 
 
-def check_model(model: Any, served: str) -> None:
-    """A request's `model` must name the served model (serves); a missing one is allowed:
-    one model is served, so there is nothing to choose."""
-    if model is None or serves(model, served):
+def check_model(model: Any, served: str, adapters: tuple[str, ...] = ()) -> None:
+    """A request's `model` must name the served model (serves) or one of `adapters` (the
+    --lora names the endpoint serves); a missing one is allowed: the base model runs."""
+    if model is None or serves(model, served) or model in adapters:
         return
     if not isinstance(model, str):
         raise invalid("model must be a string", "model")
+    names = ", ".join(repr(name) for name in (served, *adapters))
     raise APIError(
         404,
-        f"the model {model!r} does not exist; this server serves {served!r}",
+        f"the model {model!r} does not exist; this server serves {names}",
         "not_found_error",
         "model",
         "model_not_found",
