@@ -210,8 +210,15 @@ class Layer:
             return "a Gemma layer without q/k norms"
         if self.query_scale != 1.0:  # GGUF files' is 1: llama.cpp reads head_dim
             return "a query_pre_attn_scalar other than head_dim"
-        norms = (self.input_norm, self.q_norm, self.post_attention_norm)
-        eps = {n.eps for n in (*norms, self.pre_feedforward_norm, self.post_feedforward_norm)}
+        norms = (
+            self.input_norm,
+            self.q_norm,
+            self.k_norm,
+            self.post_attention_norm,
+            self.pre_feedforward_norm,
+            self.post_feedforward_norm,
+        )
+        eps = {n.eps for n in norms}
         if len(eps) > 1:
             return "norms with different epsilons"
         return DecodeSpec(
