@@ -318,25 +318,34 @@ class ParsedEmbedding(Protocol):
 E = TypeVar("E", bound=ParsedEmbedding)
 
 
-class EmbeddingRenderer(Renderer):
-    """An embedding request's vectors, in the order of its inputs, once all are computed."""
+class PrefillOnlyRenderer(Renderer):
+    """A request that prefills its inputs and samples nothing (embeddings, scores): each
+    input's result, in the order of its inputs, once all are computed."""
 
-    def vectors(self) -> list[list[float]]:
+    def results(self, field: str, what: str) -> list[Any]:
+        """Each input's FinishedEvent `field` (what: their name in the error)."""
         by_index = {}
         for finished in self.finishes:
-            if finished.embedding is None:  # cancelled: the drain after SIGTERM ran out
+            if (result := getattr(finished, field)) is None:  # cancelled: the drain ran out
                 raise APIError(
                     503,
-                    "the request was cancelled before its embeddings were computed",
+                    f"the request was cancelled before its {what} were computed",
                     "overloaded_error",
                     code="cancelled",
                 )
-            by_index[finished.index] = finished.embedding
+            by_index[finished.index] = result
         return [by_index[i] for i in range(len(by_index))]
 
     @property
     def prompt_tokens(self) -> int:
         return sum(f.prompt_tokens for f in self.finishes)
+
+
+class EmbeddingRenderer(PrefillOnlyRenderer):
+    """An embedding request's vectors, in the order of its inputs, once all are computed."""
+
+    def vectors(self) -> list[list[float]]:
+        return self.results("embedding", "embeddings")
 
 
 async def embed(

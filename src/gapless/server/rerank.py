@@ -19,11 +19,10 @@ from starlette.responses import Response
 
 from gapless.engine.engine import NOT_A_SCORER, Engine
 from gapless.engine.events import FinishedEvent
-from gapless.server.endpoint import ServerState, embed, read_json
+from gapless.server.endpoint import PrefillOnlyRenderer, ServerState, embed, read_json
 from gapless.server.openai_common import check_model
 from gapless.server.openai_embeddings import BATCH_CONTEXTS, MAX_INPUTS, check_prompts
 from gapless.server.protocol import APIError, bool_field, int_field, invalid, now
-from gapless.server.streaming import Renderer
 
 # The request's name for the engine's prompt: a pair's refusal names the document (rerank).
 RERANK_FIELDS = {"prompt": "documents"}
@@ -104,7 +103,7 @@ def parse_score(body: dict[str, Any], engine: Engine) -> ParsedPairs:
     return ParsedPairs(_pairs(engine, firsts, seconds, "text_2"), seconds)
 
 
-class _PairsRenderer(Renderer):
+class _PairsRenderer(PrefillOnlyRenderer):
     """The pairs' scores, in the order of the pairs, once all are computed."""
 
     def __init__(self, state: ServerState, parsed: ParsedPairs, request_id: str) -> None:
@@ -114,21 +113,7 @@ class _PairsRenderer(Renderer):
         self.request_id = request_id
 
     def scores(self) -> list[float]:
-        by_index = {}
-        for finished in self.finishes:
-            if finished.score is None:  # cancelled: the drain after SIGTERM ran out
-                raise APIError(
-                    503,
-                    "the request was cancelled before its scores were computed",
-                    "overloaded_error",
-                    code="cancelled",
-                )
-            by_index[finished.index] = finished.score
-        return [by_index[i] for i in range(len(by_index))]
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(f.prompt_tokens for f in self.finishes)
+        return self.results("score", "scores")
 
 
 class _RerankRenderer(_PairsRenderer):
