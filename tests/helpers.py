@@ -6,6 +6,7 @@ import importlib.util
 import io
 import os
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -87,3 +88,17 @@ def run_step(scheduler: Scheduler) -> dict[str, int]:
             req.output_ids.append(7)
         sizes[req.request_id] = chunk.num_tokens
     return sizes
+
+
+def gate_forwards(engine: Any, monkeypatch: pytest.MonkeyPatch) -> threading.Semaphore:
+    """Lets the engine run one forward pass, then one more for each release of the semaphore
+    returned: its state holds still in between, however slow the machine is."""
+    gate = threading.Semaphore(1)
+    forward = engine.runner.execute
+
+    def gated_forward(*args: Any, **kwargs: Any) -> Any:
+        gate.acquire()
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", gated_forward)
+    return gate

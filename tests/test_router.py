@@ -15,6 +15,7 @@ import httpx
 import msgspec
 import pytest
 import zmq
+from helpers import gate_forwards
 from server_fixture import MODEL, RunningServer, SSEReader, running_server
 
 from gapless.kv.prefix_cache import block_hashes
@@ -181,14 +182,7 @@ def test_metrics_follow_queue_running_and_kv_use(
     assert config == {"block_size": str(BLOCK), "num_gpu_blocks": str(pool.num_blocks)}
     assert values["vllm:num_requests_waiting"] == values["vllm:num_requests_running"] == 0
     # One forward pass, then the engine waits: its state holds still while we scrape.
-    gate = threading.Semaphore(1)
-    forward = server.engine.runner.execute
-
-    def gated_forward(*args: Any, **kwargs: Any) -> Any:
-        gate.acquire()
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(server.engine.runner, "execute", gated_forward)
+    gate = gate_forwards(server.engine, monkeypatch)
     queued = [
         threading.Thread(target=complete, args=(server, prompt_ids(server, 40, f"queued {i}")))
         for i in range(2)

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
+from helpers import gate_forwards
 from server_fixture import MODEL, RunningServer, SSEReader, running_server, stream
 
 from gapless.server.app import max_json_values
@@ -280,13 +281,7 @@ def test_disconnect_cancels_and_frees_kv(
     if phase == "prefill":
         # One forward pass, then the engine waits: the disconnect surely lands mid-prefill,
         # however slow this machine is.
-        forward = server.engine.runner.execute
-
-        def gated_forward(*args: Any, **kwargs: Any) -> Any:
-            gate.acquire()
-            return forward(*args, **kwargs)
-
-        monkeypatch.setattr(server.engine.runner, "execute", gated_forward)
+        gate = gate_forwards(server.engine, monkeypatch)
     ids = long_prompt_ids(server, 1500, phase)  # ~100 prefill steps of CHUNK tokens
     body = {"prompt": ids, "max_tokens": 500, "ignore_eos": True, "stream": True}
     try:
@@ -306,7 +301,7 @@ def test_disconnect_cancels_and_frees_kv(
             assert live["gapless_kv_blocks_used"] > before["gapless_kv_blocks_used"]
     finally:
         monkeypatch.undo()
-        gate.release()  # the engine may be waiting in gated_forward
+        gate.release()  # the engine may be waiting at the gate
     # The client is gone: the request must end as cancelled and give back its KV blocks.
     server.wait_for_metric("gapless_requests_running", 0)
     server.wait_for_metric("gapless_kv_blocks_used", before["gapless_kv_blocks_used"])

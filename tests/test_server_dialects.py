@@ -7,7 +7,6 @@ import json
 import re
 import shutil
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import httpx
 import ollama
 import openai
 import pytest
+from helpers import gate_forwards
 from server_fixture import MODEL, RunningServer, running_server
 
 from gapless.server.settings import ServerSettings
@@ -537,14 +537,7 @@ def test_disconnect_cancels_and_frees_kv(
 ) -> None:
     before, cancelled = server.metrics(), _cancelled(server)
     # One forward pass, then the engine waits: the client surely hangs up mid-prefill.
-    gate = threading.Semaphore(1)
-    forward = server.engine.runner.execute
-
-    def gated_forward(*args: Any, **kwargs: Any) -> Any:
-        gate.acquire()
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(server.engine.runner, "execute", gated_forward)
+    gate = gate_forwards(server.engine, monkeypatch)
     content = "the quick brown fox jumps over the lazy dog " * 30  # many prefill chunks
     payload = json.dumps({**body, "messages": [{"role": "user", "content": content}]})
     host, port = server.url.removeprefix("http://").split(":")
